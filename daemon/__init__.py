@@ -1,0 +1,1 @@
+"""workflowd: durable workflows written as Python code."""

@@ -1,0 +1,1 @@
+"""Event handlers for Wait cases: Timer, FileWatch, SocketListen, Signal."""
