@@ -1,0 +1,486 @@
+"""The workflow engine: state, `resume` and `handle_callback`; pure, no I/O of its own."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from .errors import (
+    CallbackNotFound,
+    HandlerRejected,
+    RunawayWorkflow,
+    StaleCallback,
+    StepFailed,
+    StepNotFound,
+    UnknownStatement,
+    ValidationError,
+    WorkflowError,
+)
+from .handler import CallbackRequest, Handler
+from .state import (
+    ARMED,
+    FINAL_STATUSES,
+    MAIN_THREAD,
+    CheckpointType,
+    EventStatus,
+    State,
+    Thread,
+    ThreadStatus,
+    WaitEvent,
+    WorkflowStatus,
+)
+from .statements import (
+    Break,
+    Continue,
+    For,
+    Go,
+    On,
+    Return,
+    Section,
+    Step,
+    Stmt,
+    Wait,
+    WaitFor,
+    _Branching,
+    truth,
+)
+
+#: Transitions one `resume` may make before the workflow is declared a runaway.
+MAX_TRANSITIONS = 10_000
+
+
+Checkpoint = Callable[[CheckpointType], Awaitable[None]]
+StepRunner = Callable[[Step], Awaitable[None]]
+
+
+class Definable(Protocol):
+    """What the engine needs of a workflow: its definition and a way to undo a handler."""
+
+    def definition(self) -> Section:
+        """Build the statement tree from the current data."""
+        ...
+
+    def snapshot(self) -> bytes:
+        """Capture the data."""
+        ...
+
+    def restore(self, snap: bytes) -> None:
+        """Put back data captured by `snapshot`."""
+        ...
+
+
+async def call_action(fn: Callable[[], object]) -> object:
+    """Call a sync or async zero-argument callable."""
+    result = fn()
+    if inspect.isawaitable(result):
+        return await result
+    return result
+
+
+async def _run_step(step: Step) -> None:
+    await call_action(step.action)
+
+
+class Definition:
+    """A validated definition with its statements indexed by name."""
+
+    __slots__ = ("events", "gos", "root", "steps", "wait_fors", "waits")
+
+    def __init__(self, root: Section) -> None:
+        self.root = root
+        self.steps: dict[str, Step] = {}
+        self.waits: dict[str, Wait] = {}
+        self.wait_fors: dict[str, WaitFor] = {}
+        self.gos: dict[str, Go] = {}
+        self.events: dict[str, On] = {}
+        self._index(root, set(), in_loop=False)
+
+    def _index(self, stmt: Stmt, names: set[str], in_loop: bool) -> None:
+        def claim(name: str, what: str) -> None:
+            if not isinstance(name, str) or not name:
+                raise ValidationError(f"{what} needs a non-empty string name, got {name!r}")
+            if name in names:
+                raise ValidationError(f"duplicate name {name!r} ({what})")
+            names.add(name)
+
+        match stmt:
+            case Section(stmts=stmts):
+                for s in stmts:
+                    self._index(s, names, in_loop)
+            case Step(name=name):
+                claim(name, "step")
+                self.steps[name] = stmt
+            case _Branching(branches=branches):
+                for b in branches:
+                    claim(b.name, "branch")
+                    self._index(b.body, names, in_loop)
+            case For(name=name, body=body):
+                claim(name, "for")
+                self._index(body, names, in_loop=True)
+            case Wait(name=name, cases=cases):
+                claim(name, "wait")
+                if not cases:
+                    raise ValidationError(f"wait {name!r} has no cases")
+                self.waits[name] = stmt
+                for c in cases:
+                    claim(c.event, "event")
+                    self.events[c.event] = c
+                    self._index(c.body, names, in_loop)
+            case WaitFor(name=name):
+                claim(name, "wait_for")
+                self.wait_fors[name] = stmt
+            case Go(name=name, body=body):
+                claim(name, "go")
+                self.gos[name] = stmt
+                self._index(body, names, in_loop=False)
+            case Break() | Continue():
+                if not in_loop:
+                    raise ValidationError(f"{type(stmt).__name__}() outside a For")
+            case Return():
+                pass
+            case _:
+                raise UnknownStatement(f"not a statement: {stmt!r}")
+
+
+def validate(section: Section) -> None:
+    """Raise ValidationError if the definition is not well formed (e.g. duplicate names)."""
+    Definition(section)
+
+
+_BREAK, _CONTINUE, _RETURN = object(), object(), object()
+#: What running a statement may stop at: a Step to run, a Wait or WaitFor to block on,
+#: one of the sentinels above, or None (go on).
+_Stop = Step | Wait | WaitFor | object | None
+
+
+class _Cursor:
+    """Walks one thread through the definition: searching for `cur_step`, then running."""
+
+    __slots__ = ("budget", "running", "state", "thread")
+
+    def __init__(self, state: State, thread: Thread, budget: list[int]) -> None:
+        self.state, self.thread, self.budget = state, thread, budget
+        self.running = thread.cur_step == ""
+
+    def tick(self) -> None:
+        self.budget[0] -= 1
+        if self.budget[0] < 0:
+            raise RunawayWorkflow(
+                f"workflow {self.state.id} made {MAX_TRANSITIONS} transitions without "
+                f"blocking (thread {self.thread.id} near {self.thread.cur_step!r}); endless loop?"
+            )
+
+    def run(self, stmt: Stmt) -> _Stop:
+        match stmt:
+            case Section(stmts=stmts):
+                for s in stmts:
+                    stop = self.run(s)
+                    if stop is not None:
+                        return stop
+                return None
+            case Step(name=name) | WaitFor(name=name):
+                if self.running:
+                    return stmt
+                if self.thread.cur_step == name:
+                    self.running = True
+                return None
+            case _Branching(branches=branches):
+                return self._branch(branches)
+            case For():
+                return self._loop(stmt)
+            case Wait():
+                return self._wait(stmt)
+            case Go():
+                if self.running:
+                    self._go(stmt)
+                return None
+            case Break():
+                return _BREAK if self.running else None
+            case Continue():
+                return _CONTINUE if self.running else None
+            case Return():
+                return _RETURN if self.running else None
+        raise UnknownStatement(f"not a statement: {stmt!r}")
+
+    def _branch(self, branches: list[Any]) -> _Stop:
+        if self.running:
+            for b in branches:
+                if b.default or truth(b.cond):
+                    return self.run(b.body)
+            return None
+        for b in branches:
+            if self.thread.cur_step == b.name:
+                self.running = True
+                return self.run(b.body)
+            stop = self.run(b.body)
+            if stop is not None or self.running:
+                return stop
+        return None
+
+    def _loop(self, stmt: For) -> _Stop:
+        if not self.running:
+            if self.thread.cur_step == stmt.name:
+                self.running = True
+            else:
+                stop = self.run(stmt.body)
+                if not self.running:
+                    return None
+                if stop is _BREAK:
+                    return None
+                if stop is not None and stop is not _CONTINUE:
+                    return stop
+        while truth(stmt.cond):
+            self.tick()
+            stop = self.run(stmt.body)
+            if stop is _BREAK:
+                return None
+            if stop is not None and stop is not _CONTINUE:
+                return stop
+        return None
+
+    def _wait(self, stmt: Wait) -> _Stop:
+        if self.running:
+            return stmt
+        t = self.thread
+        if t.cur_step == stmt.name:
+            self.running = True
+            if not t.cur_callback:
+                return stmt
+            case = next((c for c in stmt.cases if c.event == t.cur_callback), None)
+            if case is None:
+                raise StepNotFound(
+                    f"thread {t.id}: wait {stmt.name!r} has no case {t.cur_callback!r} any more"
+                )
+            t.cur_callback = ""
+            return self.run(case.body)
+        for c in stmt.cases:
+            stop = self.run(c.body)
+            if stop is not None or self.running:
+                return stop
+        return None
+
+    def _go(self, stmt: Go) -> None:
+        tid = stmt.thread_id
+        if self.state.thread(tid) is not None:
+            raise WorkflowError(f"thread {tid!r} is already running (give Go an id= per loop)")
+        self.state.threads.append(Thread(tid, stmt.name))
+
+
+class _Resumer:
+    """One `resume` call: the definition is rebuilt only after the data may have changed."""
+
+    def __init__(self, wf: Definable, state: State, checkpoint: Checkpoint, run: StepRunner):
+        self.wf, self.state, self.checkpoint, self.run_step = wf, state, checkpoint, run
+        self.defn = Definition(wf.definition())
+        self.budget = [MAX_TRANSITIONS]
+
+    def rebuild(self) -> None:
+        self.defn = Definition(self.wf.definition())
+
+    async def execute(self, t: Thread) -> None:
+        step = self.defn.steps.get(t.cur_step)
+        if step is None:
+            raise StepNotFound(f"thread {t.id}: step {t.cur_step!r} is not in the definition")
+        try:
+            await self.run_step(step)
+        except Exception as e:
+            raise StepFailed(step.name, e) from e
+        t.status = ThreadStatus.RESUMING
+        t.pc += 1
+        self.state.pc += 1
+        self.rebuild()
+        await self.checkpoint(CheckpointType.AFTER_STEP)
+
+    async def advance(self, t: Thread) -> None:
+        s = self.state
+        if t.name == MAIN_THREAD:
+            body: Section = self.defn.root
+        elif (go := self.defn.gos.get(t.name)) is not None:
+            body = go.body
+        else:
+            raise StepNotFound(f"thread {t.id}: Go {t.name!r} is not in the definition")
+        cursor = _Cursor(s, t, self.budget)
+        t.pc += 1
+        s.pc += 1
+        stop = cursor.run(body)
+        if stop is None and not cursor.running:
+            raise StepNotFound(f"thread {t.id}: statement {t.cur_step!r} is not in the definition")
+        if stop is None or stop is _RETURN:
+            self.end_thread(t)
+        elif isinstance(stop, Step):
+            t.cur_step, t.status = stop.name, ThreadStatus.EXECUTING
+        elif isinstance(stop, WaitFor):
+            t.cur_step, t.status = stop.name, ThreadStatus.WAITING_CONDITION
+        elif isinstance(stop, Wait):
+            t.cur_step, t.status = stop.name, ThreadStatus.WAITING_EVENT
+            for c in stop.cases:
+                req = CallbackRequest(s.id, t.id, c.event, t.pc)
+                t.wait_events.append(WaitEvent(c.handler.type, req))
+        else:  # Break/Continue escaped every For: validate() rules this out
+            raise ValidationError(f"thread {t.id}: Break/Continue outside a For")
+        await self.checkpoint(CheckpointType.AFTER_RESUME)
+
+    def end_thread(self, t: Thread) -> None:
+        s = self.state
+        if t.id != MAIN_THREAD:
+            s.threads.remove(t)
+            return
+        s.status = WorkflowStatus.FINISHED
+        t.status, t.cur_step = ThreadStatus.RESUMING, ""
+        release_waits(s)
+
+    async def check_conditions(self) -> bool:
+        # One condition at a time: a WaitFor handler may change data another condition reads,
+        # so the caller rebuilds the definition and checks again.
+        for t in self.state.threads:
+            if t.status is not ThreadStatus.WAITING_CONDITION:
+                continue
+            wf = self.defn.wait_fors.get(t.cur_step)
+            if wf is None:
+                raise StepNotFound(
+                    f"thread {t.id}: wait_for {t.cur_step!r} is not in the definition"
+                )
+            if not truth(wf.cond):
+                continue
+            if wf.handler is not None:
+                await call_action(wf.handler)
+            t.status = ThreadStatus.RESUMING
+            t.pc += 1
+            self.state.pc += 1
+            self.rebuild()
+            await self.checkpoint(CheckpointType.AFTER_CONDITION)
+            return True
+        return False
+
+    async def teardown(self) -> None:
+        for t in self.state.threads:
+            for ev in list(t.wait_events):
+                if ev.status not in (EventStatus.PENDING_TEARDOWN, EventStatus.TEARDOWN_ERROR):
+                    continue
+                try:
+                    await self.handler(ev).teardown(ev.req, ev.handled)
+                except Exception as e:  # noqa: BLE001 - any handler failure is recorded
+                    # Recorded, not raised: the thread can go on and teardown is retried later.
+                    ev.status, ev.error = EventStatus.TEARDOWN_ERROR, _describe(e)
+                    continue
+                t.wait_events.remove(ev)
+                await self.checkpoint(CheckpointType.AFTER_TEARDOWN)
+
+    async def setup(self) -> None:
+        for t in self.state.threads:
+            for ev in t.wait_events:
+                if ev.status not in (EventStatus.PENDING_SETUP, EventStatus.SETUP_ERROR):
+                    continue
+                try:
+                    data = await self.handler(ev).setup(ev.req)
+                except Exception as e:  # noqa: BLE001 - any handler failure is recorded
+                    # Recorded on the wait so `show` explains it; the runtime retries with backoff.
+                    ev.status, ev.error = EventStatus.SETUP_ERROR, _describe(e)
+                    continue
+                ev.status, ev.error, ev.req.setup_data = EventStatus.SETUP, "", data
+                await self.checkpoint(CheckpointType.AFTER_SETUP)
+
+    def handler(self, ev: WaitEvent) -> Handler:
+        on = self.defn.events.get(ev.req.name)
+        if on is None:
+            raise StepNotFound(f"event {ev.req.name!r} is not in the definition")
+        return on.handler
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def release_waits(state: State) -> None:
+    """Mark every armed wait of every thread for teardown (the workflow ended or was cancelled)."""
+    for t in state.threads:
+        t.wait_events = [ev for ev in t.wait_events if ev.status is not EventStatus.PENDING_SETUP]
+        for ev in t.wait_events:
+            if ev.status in (EventStatus.SETUP, EventStatus.SETUP_ERROR):
+                ev.status = EventStatus.PENDING_TEARDOWN
+
+
+async def resume(
+    wf: Definable, state: State, checkpoint: Checkpoint, *, run_step: StepRunner = _run_step
+) -> None:
+    """Run the workflow until every thread is blocked or it has finished."""
+    if state.status in FINAL_STATUSES:
+        raise WorkflowError(f"workflow {state.id} is already {state.status}")
+    r = _Resumer(wf, state, checkpoint, run_step)
+    state.pc += 1
+    await r.teardown()
+    while state.status not in FINAL_STATUSES:
+        t = next(
+            (
+                t
+                for t in state.threads
+                if t.status in (ThreadStatus.EXECUTING, ThreadStatus.RESUMING)
+            ),
+            None,
+        )
+        if t is not None:
+            _Cursor(state, t, r.budget).tick()
+            if t.status is ThreadStatus.EXECUTING:
+                await r.execute(t)
+            else:
+                await r.advance(t)
+        elif not await r.check_conditions():
+            break
+    if state.status in FINAL_STATUSES:
+        await r.teardown()
+        # Threads are gone with the workflow; ones whose teardown failed stay to be retried.
+        state.threads = [t for t in state.threads if t.wait_events]
+    await r.setup()
+    state.update_status()
+
+
+async def handle_callback(req: CallbackRequest, wf: Definable, state: State, input: Any) -> Any:
+    """Apply an event to the thread waiting for it and return the handler's output."""
+    defn = Definition(wf.definition())
+    if state.status in FINAL_STATUSES:
+        raise CallbackNotFound(f"workflow {state.id} is {state.status}; it waits for nothing")
+    thread, event = _find_waiting(state, req)
+    if req.pc and req.pc != event.req.pc:
+        raise StaleCallback(
+            f"callback {req.name!r} carries pc {req.pc}, the wait expects {event.req.pc}"
+        )
+    on = defn.events.get(req.name)
+    if on is None:
+        raise CallbackNotFound(f"event {req.name!r} is not in the definition")
+    snap = wf.snapshot()
+    try:
+        out = await on.handler.handle(event.req, input)
+    except Exception as e:
+        # The caller may retry, so the handler must leave no trace.
+        wf.restore(snap)
+        if isinstance(e, WorkflowError):
+            raise
+        raise HandlerRejected(f"event {req.name!r}: {_describe(e)}") from e
+    state.pc += 1
+    event.handled = True
+    thread.cur_callback = req.name
+    # Events never set up have nothing to tear down.
+    thread.wait_events = [
+        ev for ev in thread.wait_events if ev.status is not EventStatus.PENDING_SETUP
+    ]
+    for ev in thread.wait_events:
+        if ev.status in (EventStatus.SETUP, EventStatus.SETUP_ERROR):
+            ev.status = EventStatus.PENDING_TEARDOWN
+    thread.status = ThreadStatus.RESUMING
+    thread.pc += 1
+    state.update_status()
+    return out
+
+
+def _find_waiting(state: State, req: CallbackRequest) -> tuple[Thread, WaitEvent]:
+    for t in state.threads:
+        if req.thread_id and t.id != req.thread_id:
+            continue
+        if t.status is not ThreadStatus.WAITING_EVENT:
+            continue
+        for ev in t.wait_events:
+            if ev.req.name == req.name and ev.status in ARMED:
+                return t, ev
+    where = f"thread {req.thread_id!r}" if req.thread_id else "any thread"
+    raise CallbackNotFound(f"{where} of workflow {state.id} does not wait for {req.name!r}")

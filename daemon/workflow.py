@@ -1,0 +1,133 @@
+"""The Workflow base class: durable data fields, JSON, and the registry of workflow types."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import types
+import typing
+from collections.abc import Iterable
+from typing import Any, ClassVar, Self
+
+import msgspec
+
+from .errors import BadRequest, ValidationError
+from .statements import Section
+
+_SCALARS = (str, int, float, bool, type(None))
+_encoder = msgspec.json.Encoder()
+
+
+def check_field_type(tp: Any, where: str) -> None:
+    """Raise ValidationError unless `tp` is JSON-storable (scalars, lists, str-keyed dicts, dataclasses)."""
+    origin = typing.get_origin(tp)
+    if tp in _SCALARS or tp is Any or tp is None:
+        return
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        for name, sub in typing.get_type_hints(tp).items():
+            check_field_type(sub, f"{where}.{name}")
+        return
+    if origin is list:
+        (item,) = typing.get_args(tp) or (Any,)
+        check_field_type(item, f"{where}[]")
+        return
+    if origin is dict:
+        key, value = typing.get_args(tp) or (str, Any)
+        if key is not str:
+            raise ValidationError(f"{where}: dict keys must be str, not {key!r}")
+        check_field_type(value, f"{where}[]")
+        return
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            check_field_type(arg, where)
+        return
+    if origin is typing.Literal and all(isinstance(a, _SCALARS) for a in typing.get_args(tp)):
+        return
+    raise ValidationError(
+        f"{where}: type {tp!r} cannot be stored; use str, int, float, bool, None, "
+        "list, dict[str, ...] or a dataclass of those"
+    )
+
+
+def _check_fields(cls: type) -> None:
+    for name, tp in typing.get_type_hints(cls).items():
+        if typing.get_origin(tp) is ClassVar or tp is ClassVar:
+            continue
+        check_field_type(tp, f"{cls.__name__}.{name}")
+
+
+class Workflow:
+    """Base class of workflows: `@dataclass class X(Workflow)` with a `definition()`."""
+
+    #: The name workflows of this class are registered and started under.
+    name: ClassVar[str] = "Workflow"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" not in cls.__dict__:
+            cls.name = cls.__name__
+        # A forward reference to a class not defined yet is checked again in collect().
+        with contextlib.suppress(NameError):
+            _check_fields(cls)
+
+    def definition(self) -> Section:
+        """Build the statement tree from the current data."""
+        raise NotImplementedError(f"{type(self).__name__} must define definition()")
+
+    def to_json(self) -> str:
+        """Serialize the data fields to JSON text."""
+        return _encoder.encode(self).decode()
+
+    @classmethod
+    def from_json(cls, s: str | bytes) -> Self:
+        """Rebuild a workflow from JSON text produced by `to_json`."""
+        return msgspec.json.decode(s, type=cls)
+
+    @classmethod
+    def from_input(cls, data: dict[str, Any] | None) -> Self:
+        """Build a new workflow from a start request's input (field name -> value)."""
+        data = data or {}
+        if not isinstance(data, dict):
+            raise BadRequest(f"input for {cls.name} must be an object of field values")
+        known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise BadRequest(
+                f"{cls.name} has no field {', '.join(unknown)}; fields: {', '.join(sorted(known))}"
+            )
+        try:
+            return msgspec.convert(data, type=cls)
+        except msgspec.ValidationError as e:
+            raise BadRequest(f"input for {cls.name}: {e}") from e
+
+    def snapshot(self) -> bytes:
+        """Capture the data (used to undo a handler that raised)."""
+        return _encoder.encode(self)
+
+    def restore(self, snap: bytes) -> None:
+        """Put back data captured by `snapshot`."""
+        fresh = msgspec.json.decode(snap, type=type(self))
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            setattr(self, f.name, getattr(fresh, f.name))
+
+
+def collect(modules: Iterable[types.ModuleType]) -> dict[str, type[Workflow]]:
+    """Return every Workflow subclass defined in `modules`, keyed by its name."""
+    found: dict[str, type[Workflow]] = {}
+    for module in modules:
+        for obj in vars(module).values():
+            if not (isinstance(obj, type) and issubclass(obj, Workflow) and obj is not Workflow):
+                continue
+            if obj.__module__ != module.__name__:
+                continue
+            if not dataclasses.is_dataclass(obj):
+                raise ValidationError(f"workflow {obj.__qualname__} must be a @dataclass")
+            _check_fields(obj)
+            other = found.get(obj.name)
+            if other is not None and other is not obj:
+                raise ValidationError(
+                    f"two workflows are named {obj.name!r}: "
+                    f"{other.__module__}.{other.__qualname__} and {module.__name__}.{obj.__qualname__}"
+                )
+            found[obj.name] = obj
+    return found
