@@ -1,1 +1,7 @@
 """Event handlers for Wait cases: Timer, FileWatch, SocketListen, Signal."""
+
+from .callback import Signal
+from .filewatch import FileWatch
+from .timer import Timer
+
+__all__ = ["FileWatch", "Signal", "Timer"]

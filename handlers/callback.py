@@ -1,0 +1,95 @@
+"""Signal: a Wait case fired by a local program through the control socket."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+from collections.abc import Callable
+from typing import Any, is_typeddict
+
+import msgspec
+import msgspec.inspect
+
+from daemon.errors import HandlerRejected
+from daemon.handler import CallbackRequest
+
+
+class Signal:
+    """Hands the callback input to `fn` and replies with what it returns.
+
+    With `fn=None` the event carries no data and the reply is None. When `fn`'s
+    one parameter is annotated with a dataclass, a TypedDict or a msgspec
+    Struct, the input is converted to that type first and a mismatch is
+    rejected (HandlerRejected) before `fn` runs. `fn` may be a coroutine
+    function; if it raises, the engine restores the data and rejects the event.
+    """
+
+    type = "signal"
+
+    def __init__(self, fn: Callable[..., Any] | None = None) -> None:
+        self.fn = fn
+
+    async def setup(self, req: CallbackRequest) -> str:
+        """Arm nothing: the event arrives over the control socket."""
+        return ""
+
+    async def handle(self, req: CallbackRequest, input: Any) -> Any:
+        """Validate the input against `fn`'s annotation, call `fn` and return its result."""
+        if self.fn is None:
+            return None
+        params = list(inspect.signature(self.fn).parameters.values())
+        if not params:
+            result = self.fn()
+        else:
+            result = self.fn(_convert(input, _annotation(self.fn, params[0].name)))
+        if inspect.isawaitable(result):
+            result = await result
+        return result
+
+
+def _annotation(fn: Callable[..., Any], name: str) -> Any:
+    """Return the resolved annotation of `fn`'s parameter `name`, or None."""
+    target = fn if inspect.isroutine(fn) else type(fn).__call__
+    return typing.get_type_hints(target).get(name)
+
+
+def _is_record(tp: Any) -> bool:
+    """Tell whether `tp` is a type whose fields the input must match."""
+    if not isinstance(tp, type):
+        return False
+    return dataclasses.is_dataclass(tp) or is_typeddict(tp) or issubclass(tp, msgspec.Struct)
+
+
+def _convert(input: Any, tp: Any) -> Any:
+    """Convert `input` to the record type `tp`, or return it unchanged for any other annotation."""
+    if not _is_record(tp):
+        return input
+    try:
+        return msgspec.convert(input, type=tp)
+    except msgspec.ValidationError as e:
+        raise HandlerRejected(f"{e}; expected {tp.__name__} {_fields(tp)}") from e
+
+
+def _fields(tp: type) -> str:
+    """Describe the fields of a record type: `{a: int, b?: str}` (`?` marks optional ones)."""
+    hints = typing.get_type_hints(tp)
+    if is_typeddict(tp):
+        required: frozenset[str] = getattr(tp, "__required_keys__", frozenset(hints))
+    elif dataclasses.is_dataclass(tp):
+        required = frozenset(
+            f.name
+            for f in dataclasses.fields(tp)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        )
+    else:
+        info = msgspec.inspect.type_info(tp)
+        fields = getattr(info, "fields", ())
+        required = frozenset(f.name for f in fields if f.required)
+    parts = [f"{n}{'' if n in required else '?'}: {_type_name(t)}" for n, t in hints.items()]
+    return "{" + ", ".join(parts) + "}"
+
+
+def _type_name(tp: Any) -> str:
+    """Return a short readable name for a type annotation."""
+    return tp.__name__ if isinstance(tp, type) else repr(tp).replace("typing.", "")

@@ -1,0 +1,189 @@
+"""FileWatch: a Wait case that fires on a file event, seen through inotify (watchfiles).
+
+It keeps one non-recursive inotify watch on the directory that holds the path
+(for `nonempty`, on the directory itself). While that directory is missing it
+watches the nearest existing ancestor and moves down as directories appear,
+like systemd's .path units.
+
+- `exists`, `nonempty` are levels: checked as soon as the watch is armed (so
+  they fire at once when already true, also after a restart) and after every
+  batch of changes. Only `exists` takes a glob, in the last path component.
+- `created`, `deleted` fire on that change for the exact path; `modified` fires
+  when a change is reported for the path and the file differs (inode, size or
+  mtime) from the one seen at setup: a write, a replace by rename, or a
+  creation; chmod alone does not fire. setup records that identity, so an edge
+  that happened before listen started, or while the daemon was down, still
+  fires when listen starts.
+- inotify through watchfiles reports writes, not "write closed": `modified`
+  fires after the first burst of writes (debounced ~50 ms). Writers that need
+  the watcher to see a complete file should write a temp file and rename it.
+
+The input delivered is `{"path": matched path, "change": on}`.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import threading
+from typing import Any
+
+import anyio
+import msgspec
+from watchfiles import Change
+from watchfiles._rust_notify import RustNotify
+
+from daemon.handler import CallbackRequest, Deliver
+
+DEBOUNCE_MS = 50
+STEP_MS = 10
+_ON = ("created", "modified", "deleted", "exists", "nonempty")
+_MAGIC = re.compile(r"[*?[]")
+_Changes = set[tuple[int, str]]
+
+
+class _Spec(msgspec.Struct):
+    path: str
+    on: str
+    seen: list[int] | None = None
+
+
+class FileWatch:
+    """Fires when `path` is created, modified, deleted, exists, or (a directory) is nonempty."""
+
+    type = "file"
+
+    def __init__(self, path: str | os.PathLike[str], on: str = "created") -> None:
+        if on not in _ON:
+            raise ValueError(f"FileWatch(on=) must be one of {', '.join(_ON)}, not {on!r}")
+        self.path = os.fspath(path)
+        if _MAGIC.search(self.path) and on != "exists":
+            raise ValueError(f"only on='exists' accepts a glob: {self.path!r}")
+        if _MAGIC.search(os.path.dirname(self.path)):
+            raise ValueError(f"a glob may only be in the last path component: {self.path!r}")
+        self.on = on
+
+    async def setup(self, req: CallbackRequest) -> str:
+        """Store the absolute path, the condition and the file's current identity."""
+        path = _absolute(self.path)
+        return msgspec.json.encode(_Spec(path, self.on, _identity(path))).decode()
+
+    async def listen(self, req: CallbackRequest, deliver: Deliver) -> None:
+        """Wait for the condition, then deliver it; cancelling closes the watch."""
+        spec = msgspec.json.decode(req.setup_data, type=_Spec)
+        await deliver({"path": await _wait(spec), "change": spec.on})
+
+    async def handle(self, req: CallbackRequest, input: Any) -> Any:
+        """Return the input: `{"path": ..., "change": ...}`."""
+        return input
+
+    async def teardown(self, req: CallbackRequest, handled: bool) -> None:
+        """Do nothing: the watch lives only inside `listen`."""
+
+
+def _absolute(path: str) -> str:
+    return os.path.abspath(path)
+
+
+def _identity(path: str) -> list[int] | None:
+    """Return what tells one version of a file from another, or None if it is absent."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def _root(spec: _Spec) -> str:
+    """Return the existing directory to watch for this condition."""
+    on_itself = spec.on == "nonempty" and os.path.isdir(spec.path)
+    directory = spec.path if on_itself else os.path.dirname(spec.path)
+    while not os.path.isdir(directory):
+        directory = os.path.dirname(directory)
+    return directory
+
+
+def _level(spec: _Spec) -> str | None:
+    """Return the matching path if the level condition holds now."""
+    if spec.on == "nonempty":
+        try:
+            with os.scandir(spec.path) as entries:
+                return spec.path if next(entries, None) is not None else None
+        except OSError:
+            return None
+    if _MAGIC.search(spec.path):
+        return min(glob.glob(spec.path), default=None)
+    return spec.path if os.path.exists(spec.path) else None
+
+
+def _on_arm(spec: _Spec) -> str | None:
+    """Check the condition right after the watch is armed, against the file seen at setup."""
+    if spec.on in ("exists", "nonempty"):
+        return _level(spec)
+    now, was = _identity(spec.path), spec.seen
+    fired = {
+        "created": now is not None and (was is None or now[0] != was[0]),
+        "deleted": was is not None and (now is None or now[0] != was[0]),
+        "modified": now is not None and now != was,
+    }[spec.on]
+    return spec.path if fired else None
+
+
+def _on_changes(spec: _Spec, changes: _Changes) -> str | None:
+    """Check the condition after a batch of changes."""
+    if spec.on in ("exists", "nonempty"):
+        return _level(spec)
+    kinds = {Change(kind) for kind, path in changes if path == spec.path}
+    fired = {
+        "created": Change.added in kinds,
+        "deleted": Change.deleted in kinds,
+        "modified": bool(kinds) and _on_arm(spec) is not None,
+    }[spec.on]
+    return spec.path if fired else None
+
+
+async def _wait(spec: _Spec) -> str:
+    """Watch until the condition holds and return the matching path."""
+    while True:
+        root = _root(spec)
+        try:
+            watcher = RustNotify([root], False, False, 0, False, False)
+        except FileNotFoundError:
+            continue  # the root vanished between the check and the watch
+        with watcher:
+            hit = _on_arm(spec)
+            while hit is None and _root(spec) == root:
+                hit = _on_changes(spec, await _next_batch(watcher))
+        if hit is not None:
+            return hit
+
+
+async def _next_batch(watcher: RustNotify) -> _Changes:
+    """Return the next debounced batch of changes; cancelling stops the watch thread."""
+    stop = threading.Event()
+    done = anyio.Event()
+    outcome: list[_Changes | str | Exception] = []
+
+    async def run() -> None:
+        # A thread call cannot be interrupted, so cancellation reaches it through `stop`;
+        # its own limiter keeps long watches from using up anyio's shared thread tokens.
+        try:
+            outcome.append(
+                await anyio.to_thread.run_sync(
+                    watcher.watch, DEBOUNCE_MS, STEP_MS, 0, stop, limiter=anyio.CapacityLimiter(1)
+                )
+            )
+        except Exception as e:  # noqa: BLE001 - re-raised below, outside the task group
+            outcome.append(e)
+        done.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        try:
+            await done.wait()
+        finally:
+            stop.set()
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return outcome[0] if isinstance(outcome[0], set) else set()
