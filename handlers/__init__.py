@@ -2,6 +2,7 @@
 
 from .callback import Signal
 from .filewatch import FileWatch
+from .listen import SocketListen
 from .timer import Timer
 
-__all__ = ["FileWatch", "Signal", "Timer"]
+__all__ = ["FileWatch", "Signal", "SocketListen", "Timer"]
