@@ -27,11 +27,11 @@ def check_field_type(tp: Any, where: str) -> None:
         for name, sub in typing.get_type_hints(tp).items():
             check_field_type(sub, f"{where}.{name}")
         return
-    if origin is list:
+    if tp is list or origin is list:
         (item,) = typing.get_args(tp) or (Any,)
         check_field_type(item, f"{where}[]")
         return
-    if origin is dict:
+    if tp is dict or origin is dict:
         key, value = typing.get_args(tp) or (str, Any)
         if key is not str:
             raise ValidationError(f"{where}: dict keys must be str, not {key!r}")
@@ -122,7 +122,12 @@ def collect(modules: Iterable[types.ModuleType]) -> dict[str, type[Workflow]]:
                 continue
             if not dataclasses.is_dataclass(obj):
                 raise ValidationError(f"workflow {obj.__qualname__} must be a @dataclass")
-            _check_fields(obj)
+            try:
+                _check_fields(obj)
+            except NameError as e:
+                raise ValidationError(
+                    f"workflow {obj.__qualname__}: unknown field type: {e}"
+                ) from e
             other = found.get(obj.name)
             if other is not None and other is not obj:
                 raise ValidationError(
