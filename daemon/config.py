@@ -1,0 +1,269 @@
+"""Load and validate config.toml into frozen dataclasses."""
+
+from __future__ import annotations
+
+import dataclasses
+import grp
+import importlib
+import math
+import os
+import re
+import sys
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from .errors import ConfigError
+
+# Only these two are expanded, so "$HOME" or "$FOO" in a path is an error, not a folder named "$FOO".
+_DIR_VARS = ("STATE_DIRECTORY", "RUNTIME_DIRECTORY")
+_MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_SUN_PATH_MAX = 107  # sockaddr_un.sun_path is 108 bytes including the NUL
+
+
+def _opt(kind: str, default: Any, **rules: Any) -> Any:
+    """Declare a config key: its kind drives validation, rules bound its value."""
+    return field(default=default, metadata={"kind": kind, **rules})
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """[daemon]: the control socket and its limits."""
+
+    socket: Path = field(default=Path("state/workflowd.sock"), metadata={"kind": "socket"})
+    socket_mode: int = _opt("mode", 0o660)
+    allowed_uids: tuple[int, ...] = _opt("uids", ())
+    allowed_groups: tuple[int, ...] = _opt("groups", ())  # resolved to gids at load time
+    max_request_bytes: int = _opt("int", 1_048_576, min=64)
+    max_connections: int = _opt("int", 256, min=1)
+    idle_timeout_s: float = _opt("float", 300.0, gt=0)
+    shutdown_grace_s: float = _opt("float", 10.0, min=0)
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """[store]: the SQLite database."""
+
+    path: Path = field(default=Path("state/workflowd.db"), metadata={"kind": "path"})
+    synchronous: str = _opt("enum", "normal", choices=("normal", "full"))
+    history_keep: int = _opt("int", 1000, min=0)
+    keep_finished_days: int = _opt("int", 30, min=0)
+
+
+@dataclass(frozen=True)
+class WorkflowsConfig:
+    """[workflows]: where workflow classes are imported from."""
+
+    paths: tuple[Path, ...] = _opt("paths", (Path("."),))
+    modules: tuple[str, ...] = _opt("modules", ("daemon.examples",))
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """[runtime]: concurrency and step retries."""
+
+    max_concurrent_steps: int = _opt("int", 64, min=1)
+    retry_initial_s: float = _opt("float", 1.0, gt=0)
+    retry_max_s: float = _opt("float", 300.0, gt=0)
+    retry_max_attempts: int = _opt("int", 0, min=0)  # 0: retry forever
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """[log]: level and output format."""
+
+    level: str = _opt("enum", "info", choices=("debug", "info", "warning", "error", "critical"))
+    format: str = _opt("enum", "auto", choices=("auto", "json", "console"))
+
+
+_SECTIONS: dict[str, type[Any]] = {
+    "daemon": DaemonConfig,
+    "store": StoreConfig,
+    "workflows": WorkflowsConfig,
+    "runtime": RuntimeConfig,
+    "log": LogConfig,
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration; paths are absolute."""
+
+    source: Path
+    daemon: DaemonConfig
+    store: StoreConfig
+    workflows: WorkflowsConfig
+    runtime: RuntimeConfig
+    log: LogConfig
+
+    @staticmethod
+    def default_path() -> Path:
+        """Return $WORKFLOWD_CONFIG, else the checkout's config.toml, else /etc/workflowd's."""
+        if env := os.environ.get("WORKFLOWD_CONFIG"):
+            return Path(env)
+        checkout = Path(__file__).resolve().parent.parent / "config.toml"
+        return checkout if checkout.is_file() else Path("/etc/workflowd/config.toml")
+
+
+def load_config(path: Path) -> Config:
+    """Read, validate and return the config file at `path`; raise ConfigError on any problem."""
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from e
+    return parse_config(raw, path)
+
+
+def parse_config(raw: Mapping[str, Any], path: Path) -> Config:
+    """Validate an already-parsed TOML table as if it were read from `path`."""
+    base = Path(os.path.abspath(path)).parent
+    for name, table in raw.items():
+        if name not in _SECTIONS:
+            raise ConfigError(f"{path}: unknown section [{name}]")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: [{name}] must be a table")
+    parts = {
+        name: _section(cls, name, raw.get(name, {}), path, base) for name, cls in _SECTIONS.items()
+    }
+    runtime: RuntimeConfig = parts["runtime"]
+    if runtime.retry_max_s < runtime.retry_initial_s:
+        raise ConfigError(f"{path}: [runtime] retry_max_s: must be >= retry_initial_s")
+    return Config(source=Path(os.path.abspath(path)), **parts)
+
+
+def _section(cls: type[Any], name: str, table: dict[str, Any], path: Path, base: Path) -> Any:
+    """Build one section's dataclass, converting and checking every key."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        where = f"{path}: [{name}] {key}"
+        if key not in fields:
+            raise ConfigError(f"{where}: unknown key")
+        try:
+            values[key] = _convert(value, dict(fields[key].metadata), base)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{where}: {e}") from None
+    for key, f in fields.items():
+        # Default relative paths resolve against the config file's folder, like given ones.
+        if key not in values and f.metadata["kind"] in ("path", "socket", "paths"):
+            values[key] = _convert(_unparse(f.default), dict(f.metadata), base)
+    return cls(**values)
+
+
+def _unparse(value: Any) -> Any:
+    """Turn a default back into its TOML form."""
+    return [str(v) for v in value] if isinstance(value, tuple) else str(value)
+
+
+def _convert(value: Any, meta: dict[str, Any], base: Path) -> Any:
+    """Convert one TOML value per its declared kind; raise TypeError/ValueError with the reason."""
+    kind = meta["kind"]
+    if kind == "int":
+        return _bounded(_int(value), meta)
+    if kind == "float":
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
+            raise ValueError(f"expected a number, got {value!r}")
+        return _bounded(float(value), meta)
+    if kind == "enum":
+        if value not in meta["choices"]:
+            raise ValueError(f"expected one of {', '.join(meta['choices'])}; got {value!r}")
+        return value
+    if kind == "mode":
+        if not isinstance(value, str) or not re.fullmatch(r"0?[0-7]{3}", value):
+            raise ValueError(f'expected an octal string like "0660", got {value!r}')
+        return int(value, 8)
+    if kind in ("path", "socket"):
+        p = _path(value, base)
+        if kind == "socket" and len(os.fsencode(p)) > _SUN_PATH_MAX:
+            raise ValueError(f"path too long for a Unix socket (over {_SUN_PATH_MAX} bytes): {p}")
+        return p
+    items = _list(value)
+    if kind == "paths":
+        return tuple(_path(v, base) for v in items)
+    if kind == "modules":
+        bad = [m for m in items if not isinstance(m, str) or not _MODULE_RE.match(m)]
+        if bad:
+            raise ValueError(f"expected dotted module names, got {bad[0]!r}")
+        return tuple(items)
+    if kind == "uids":
+        return tuple(_bounded(_int(v), {"min": 0}) for v in items)
+    return tuple(_gid(v) for v in items)  # kind == "groups"
+
+
+def _int(value: Any) -> int:
+    """Accept an int but not a bool (TOML true is not 1)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"expected an integer, got {value!r}")
+    return value
+
+
+def _bounded(value: Any, meta: dict[str, Any]) -> Any:
+    """Check the optional `min` (inclusive) and `gt` (exclusive) bounds."""
+    if "min" in meta and value < meta["min"]:
+        raise ValueError(f"must be >= {meta['min']}, got {value!r}")
+    if "gt" in meta and value <= meta["gt"]:
+        raise ValueError(f"must be > {meta['gt']}, got {value!r}")
+    return value
+
+
+def _list(value: Any) -> list[Any]:
+    if not isinstance(value, list):
+        raise TypeError(f"expected a list, got {value!r}")
+    return value
+
+
+def _gid(value: Any) -> int:
+    """Resolve a group name or number to a gid now, so a typo fails at start-up."""
+    if isinstance(value, str):
+        try:
+            return grp.getgrnam(value).gr_gid
+        except KeyError:
+            raise ValueError(f"unknown group {value!r}") from None
+    return _bounded(_int(value), {"min": 0})  # type: ignore[no-any-return]
+
+
+def _path(value: Any, base: Path) -> Path:
+    """Expand a leading $STATE_DIRECTORY/$RUNTIME_DIRECTORY, else resolve against `base`."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"expected a path string, got {value!r}")
+    if value.startswith("$"):
+        var, _, rest = value[1:].partition("/")
+        if var not in _DIR_VARS:
+            raise ValueError(
+                f"only $STATE_DIRECTORY and $RUNTIME_DIRECTORY are expanded: {value!r}"
+            )
+        root = os.environ.get(var, "")
+        if not root:
+            raise ValueError(f"${var} is not set (it is set by systemd's {_unit_key(var)})")
+        # systemd joins several directories with ":"; the first is the one named first.
+        return Path(root.split(":")[0]) / rest
+    return Path(os.path.normpath(base / value))
+
+
+def _unit_key(var: str) -> str:
+    return "StateDirectory=" if var == "STATE_DIRECTORY" else "RuntimeDirectory="
+
+
+def import_workflow_modules(cfg: Config) -> list[ModuleType]:
+    """Put [workflows] paths on sys.path and import every listed module."""
+    for p in reversed(cfg.workflows.paths):
+        if str(p) not in sys.path:
+            sys.path.insert(0, str(p))
+    modules = []
+    for name in cfg.workflows.modules:
+        try:
+            modules.append(importlib.import_module(name))
+        except Exception as e:  # any error in user code is a config problem here
+            reason = " ".join(f"{type(e).__name__}: {e}".split())
+            raise ConfigError(f"[workflows] modules: cannot import {name!r}: {reason}") from e
+    return modules
