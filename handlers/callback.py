@@ -47,6 +47,9 @@ class Signal:
             result = await result
         return result
 
+    async def teardown(self, req: CallbackRequest, handled: bool) -> None:
+        """Release nothing: setup armed nothing."""
+
 
 def _annotation(fn: Callable[..., Any], name: str) -> Any:
     """Return the resolved annotation of `fn`'s parameter `name`, or None."""
@@ -74,18 +77,8 @@ def _convert(input: Any, tp: Any) -> Any:
 def _fields(tp: type) -> str:
     """Describe the fields of a record type: `{a: int, b?: str}` (`?` marks optional ones)."""
     hints = typing.get_type_hints(tp)
-    if is_typeddict(tp):
-        required: frozenset[str] = getattr(tp, "__required_keys__", frozenset(hints))
-    elif dataclasses.is_dataclass(tp):
-        required = frozenset(
-            f.name
-            for f in dataclasses.fields(tp)
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        )
-    else:
-        info = msgspec.inspect.type_info(tp)
-        fields = getattr(info, "fields", ())
-        required = frozenset(f.name for f in fields if f.required)
+    info = msgspec.inspect.type_info(tp)
+    required = {f.name for f in getattr(info, "fields", ()) if f.required}
     parts = [f"{n}{'' if n in required else '?'}: {_type_name(t)}" for n, t in hints.items()]
     return "{" + ", ".join(parts) + "}"
 
