@@ -19,7 +19,7 @@ from typing import Any
 from .errors import ConfigError
 
 # Only these two are expanded, so "$HOME" or "$FOO" in a path is an error, not a folder named "$FOO".
-_DIR_VARS = ("STATE_DIRECTORY", "RUNTIME_DIRECTORY")
+_DIR_VARS = {"STATE_DIRECTORY": "StateDirectory=", "RUNTIME_DIRECTORY": "RuntimeDirectory="}
 _MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path is 108 bytes including the NUL
 
@@ -49,7 +49,7 @@ class StoreConfig:
 
     path: Path = field(default=Path("state/workflowd.db"), metadata={"kind": "path"})
     synchronous: str = _opt("enum", "normal", choices=("normal", "full"))
-    history_keep: int = _opt("int", 1000, min=0)
+    history_keep: int = _opt("int", 1000, min=1)
     keep_finished_days: int = _opt("int", 30, min=0)
 
 
@@ -167,12 +167,10 @@ def _convert(value: Any, meta: dict[str, Any], base: Path) -> Any:
     if kind == "int":
         return _bounded(_int(value), meta)
     if kind == "float":
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-        ):
-            raise ValueError(f"expected a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+            raise TypeError(f"expected a number, got {value!r}")
+        if math.isinf(value):
+            raise ValueError(f"expected a finite number, got {value!r}")
         return _bounded(float(value), meta)
     if kind == "enum":
         if value not in meta["choices"]:
@@ -244,14 +242,10 @@ def _path(value: Any, base: Path) -> Path:
             )
         root = os.environ.get(var, "")
         if not root:
-            raise ValueError(f"${var} is not set (it is set by systemd's {_unit_key(var)})")
+            raise ValueError(f"${var} is not set (it is set by systemd's {_DIR_VARS[var]})")
         # systemd joins several directories with ":"; the first is the one named first.
         return Path(root.split(":")[0]) / rest
     return Path(os.path.normpath(base / value))
-
-
-def _unit_key(var: str) -> str:
-    return "StateDirectory=" if var == "STATE_DIRECTORY" else "RuntimeDirectory="
 
 
 def import_workflow_modules(cfg: Config) -> list[ModuleType]:

@@ -114,6 +114,7 @@ class TestErrors:
                 "[runtime] max_concurrent_steps: must be >= 1, got 0",
             ),
             ("[runtime]\nretry_max_attempts = -1", "[runtime] retry_max_attempts: must be >= 0"),
+            ("[store]\nhistory_keep = 0", "[store] history_keep: must be >= 1, got 0"),
             (
                 "[runtime]\nretry_initial_s = 10.0\nretry_max_s = 5.0",
                 "[runtime] retry_max_s: must be >= retry_initial_s",
