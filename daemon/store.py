@@ -17,11 +17,13 @@ from typing import Any, TypeVar
 import aiosqlite
 import anyio
 import msgspec
+import structlog
 
 from .clock import get_clock
 from .errors import ConfigError, StoreLocked, Unavailable, WorkflowNotFound
 
 T = TypeVar("T")
+log = structlog.get_logger(__name__)
 FINAL = ("Finished", "Failed", "Cancelled")
 _SYNCHRONOUS = {"normal": "NORMAL", "full": "FULL"}
 _COLS = "id, name, status, data, state, error, attempt, next_run_at, created_at, updated_at"
@@ -262,15 +264,20 @@ class Store:
             await _migrate(writer, path)
             reader = await _connect(stack, path, f"{base} PRAGMA query_only = 1;")
             store = cls(path, writer, reader, history_keep)
+            failure: Exception | None = None
             async with anyio.create_task_group() as tg:
                 tg.start_soon(store._write_loop)
                 try:
                     yield store
+                except Exception as e:  # noqa: BLE001 - raised below, outside the task group
+                    failure = e  # so the caller sees it as is, not inside an ExceptionGroup
                 finally:
                     store._closing = True
                     store._wake.set()
                     with anyio.CancelScope(shield=True):
                         await store._stopped.wait()
+            if failure is not None:
+                raise failure
 
     async def _write_loop(self) -> None:
         batch: builtins.list[_Write] = []
@@ -285,9 +292,12 @@ class Store:
                 commits = await _in_thread(
                     self._writer, functools.partial(_commit_batch, batch=batch)
                 )
+                failed = sum(w.error is not None for w in batch)
                 self.stats.commits += commits
-                self.stats.writes += sum(w.error is None for w in batch)
-                self.stats.splits += len(batch) > 1 and any(w.error for w in batch)
+                self.stats.writes += len(batch) - failed
+                if failed and len(batch) > 1:
+                    self.stats.splits += 1
+                    log.warning("store_batch_split", batch=len(batch), failed=failed)
                 for w in batch:
                     w.done.set()
                 batch = []

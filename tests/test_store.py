@@ -107,6 +107,25 @@ class TestOpen:
         with pytest.raises(Unavailable):
             await store.create(row("a"))
 
+    async def test_body_error_propagates_and_unlocks(self, tmp_path: Path) -> None:
+        """An error inside the block comes out as is, and the database is released."""
+        db = tmp_path / "wf.db"
+        with pytest.raises(KeyError, match="boom"):
+            async with Store.open(db) as store:
+                await store.create(row("a"))
+                raise KeyError("boom")
+        async with Store.open(db) as store:
+            assert await store.get("a") is not None
+
+    async def test_cancel_unlocks(self, tmp_path: Path) -> None:
+        """Cancelling the block closes the store and releases the lock."""
+        db = tmp_path / "wf.db"
+        with anyio.move_on_after(0.05):
+            async with Store.open(db) as store:
+                await anyio.sleep_forever()
+        async with Store.open(db) as store:
+            assert await store.counts() == {}
+
     async def test_queued_writes_are_drained(self, tmp_path: Path) -> None:
         """Writes queued when the store closes are committed, not dropped."""
         db = tmp_path / "wf.db"
