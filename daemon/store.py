@@ -139,7 +139,7 @@ class _Write:
 
 
 def _transaction(conn: sqlite3.Connection, batch: builtins.list[_Write]) -> None:
-    conn.execute("BEGIN IMMEDIATE")
+    """Apply and commit `batch` in the transaction the caller began, or roll it all back."""
     try:
         results = [w.apply(conn) for w in batch]
         conn.execute("COMMIT")
@@ -152,23 +152,33 @@ def _transaction(conn: sqlite3.Connection, batch: builtins.list[_Write]) -> None
         w.result = result
 
 
-def _commit_batch(conn: sqlite3.Connection, batch: builtins.list[_Write]) -> int:
-    """Commit `batch` in one transaction, or each write alone if that fails; return the commits."""
+def _commit_batch(conn: sqlite3.Connection, batch: builtins.list[_Write]) -> tuple[int, bool]:
+    """Commit `batch` in one transaction, or each write alone if that fails.
+
+    Return the number of commits and whether the batch was split.
+    """
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+    except Exception as e:  # noqa: BLE001 - busy or broken: no request to blame, none retried
+        for w in batch:
+            w.error = e
+        return 0, False
     try:
         _transaction(conn, batch)
-        return 1
+        return 1, False
     except Exception as e:  # noqa: BLE001 - every caller gets its own error below
         if len(batch) == 1:
             batch[0].error = e
-            return 0
+            return 0, False
     commits = 0
     for w in batch:
         try:
+            conn.execute("BEGIN IMMEDIATE")
             _transaction(conn, [w])
             commits += 1
         except Exception as e:  # noqa: BLE001 - the caller re-raises it as is
             w.error = e
-    return commits
+    return commits, True
 
 
 async def _in_thread(conn: aiosqlite.Connection, fn: Callable[[sqlite3.Connection], T]) -> T:
@@ -289,13 +299,13 @@ class Store:
                     continue
                 batch = list(self._queue)
                 self._queue.clear()
-                commits = await _in_thread(
+                commits, split = await _in_thread(
                     self._writer, functools.partial(_commit_batch, batch=batch)
                 )
                 failed = sum(w.error is not None for w in batch)
                 self.stats.commits += commits
                 self.stats.writes += len(batch) - failed
-                if failed and len(batch) > 1:
+                if split:
                     self.stats.splits += 1
                     log.warning("store_batch_split", batch=len(batch), failed=failed)
                 for w in batch:

@@ -330,6 +330,34 @@ class TestGroupCommit:
             got = await store.get("w7")
             assert got is not None and got.data == '{"i":0}'
 
+    async def test_busy_database_fails_batch_without_retries(self, tmp_path: Path) -> None:
+        """When another connection holds the write lock, the batch fails as a whole, unsplit."""
+        db = tmp_path / "wf.db"
+        async with Store.open(db) as store:
+            for i in range(10):
+                await store.create(row(f"w{i}"))
+            await store._writer.execute("PRAGMA busy_timeout = 50")
+            intruder = sqlite3.connect(db, isolation_level=None)
+            intruder.execute("BEGIN IMMEDIATE")
+            errors: list[BaseException] = []
+
+            async def save(wid: str) -> None:
+                try:
+                    await store.checkpoint(wid, status="Waiting", data="{}", state="{}")
+                except sqlite3.OperationalError as e:
+                    errors.append(e)
+
+            try:
+                async with anyio.create_task_group() as tg:
+                    for i in range(10):
+                        tg.start_soon(save, f"w{i}")
+            finally:
+                intruder.close()
+            assert len(errors) == 10 and all("locked" in str(e) for e in errors)
+            assert store.stats.splits == 0
+            await store.checkpoint("w0", status="Waiting", data="{}", state="{}")
+            assert await store.counts() == {"Waiting": 1, "Resuming": 9}
+
 
 class TestReads:
     async def test_inbox(self, tmp_path: Path) -> None:
