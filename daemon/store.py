@@ -138,7 +138,7 @@ class _Write:
     error: BaseException | None = None
 
 
-def _transaction(conn: sqlite3.Connection, batch: builtins.list[_Write]) -> None:
+def _transaction(conn: sqlite3.Connection, batch: list[_Write]) -> None:
     """Apply and commit `batch` in the transaction the caller began, or roll it all back."""
     try:
         results = [w.apply(conn) for w in batch]
@@ -152,7 +152,7 @@ def _transaction(conn: sqlite3.Connection, batch: builtins.list[_Write]) -> None
         w.result = result
 
 
-def _commit_batch(conn: sqlite3.Connection, batch: builtins.list[_Write]) -> tuple[int, bool]:
+def _commit_batch(conn: sqlite3.Connection, batch: list[_Write]) -> tuple[int, bool]:
     """Commit `batch` in one transaction, or each write alone if that fails.
 
     Return the number of commits and whether the batch was split.
