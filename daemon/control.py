@@ -1,0 +1,383 @@
+"""The control socket: accepts local clients, checks who they are and dispatches their requests."""
+
+from __future__ import annotations
+
+import functools
+import grp
+import importlib.metadata
+import os
+import pwd
+import socket
+import stat
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
+from typing import Any, Protocol, assert_never
+
+import anyio
+import anyio.abc
+import structlog
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from . import protocol as proto
+from .errors import ConfigError, Unavailable, WorkflowError
+from .protocol import encode, error
+
+log = structlog.get_logger()
+
+#: Requests one connection may have in flight; the reader waits (backpressure) beyond that.
+MAX_IN_FLIGHT = 64
+
+Reply = Callable[[dict[str, Any]], Awaitable[None]]
+Records = list[dict[str, Any]]  # `list` is shadowed inside Backend
+
+
+class Backend(Protocol):
+    """What the control socket needs from the runtime."""
+
+    async def start(
+        self, workflow: str, workflow_id: str | None = None, input: dict[str, Any] | None = None
+    ) -> dict[str, Any]: ...
+    async def send(
+        self,
+        workflow_id: str,
+        event: str,
+        input: Any = None,
+        *,
+        thread_id: str | None = None,
+        pc: int | None = None,
+        wait: bool = True,
+    ) -> Any: ...
+    async def list(
+        self, *, status: str | None = None, workflow: str | None = None, limit: int = 100
+    ) -> Records: ...
+    async def show(self, workflow_id: str) -> dict[str, Any]: ...
+    async def history(self, workflow_id: str, *, limit: int = 1000) -> Records: ...
+    async def cancel(self, workflow_id: str) -> dict[str, Any]: ...
+    async def counts(self) -> dict[str, int]: ...
+    def subscribe_logs(
+        self, workflow_id: str | None = None, *, follow: bool = True
+    ) -> AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]: ...
+
+
+@functools.cache
+def version() -> str:
+    """Return the installed workflowd version."""
+    try:
+        return importlib.metadata.version("workflowd")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+async def listener_from_systemd(fd: int = 3) -> anyio.abc.SocketListener | None:
+    """Return the listening socket systemd passed us (socket activation), or None."""
+    if os.environ.get("LISTEN_PID") != str(os.getpid()):
+        return None
+    count = os.environ.get("LISTEN_FDS", "")
+    for name in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        os.environ.pop(name, None)  # so that our children do not think the socket is theirs
+    if not count.isdigit() or int(count) < 1:
+        return None
+    return await anyio.abc.SocketListener.from_socket(socket.socket(fileno=fd))
+
+
+async def serve(
+    backend: Backend,
+    *,
+    socket_path: Path | None,
+    listener: anyio.abc.SocketListener | None = None,
+    socket_mode: int = 0o660,
+    allowed_uids: Collection[int] = (),
+    allowed_groups: Collection[int | str] = (),
+    max_request_bytes: int = proto.MAX_REQUEST_BYTES,
+    max_connections: int = 256,
+    idle_timeout: float = 300.0,
+    task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the control protocol until cancelled; remove the socket file we created on exit."""
+    uids = {0, os.getuid(), *allowed_uids}
+    gids = {_group_id(g) for g in allowed_groups}
+    control = _Control(backend, uids, gids, max_request_bytes, max_connections, idle_timeout)
+    created: os.stat_result | None = None
+    if listener is None:
+        if socket_path is None:
+            raise ValueError("serve() needs a socket_path or a listener")
+        listener, created = await _bind(Path(socket_path), socket_mode)
+    try:
+        async with listener:
+            log.info("control_listening", socket=str(socket_path or "(inherited)"))
+            task_status.started()
+            await control.accept_loop(listener)
+    finally:
+        if created is not None and socket_path is not None:
+            _unlink_if_same(Path(socket_path), created)
+
+
+def _group_id(group: int | str) -> int:
+    if isinstance(group, int):
+        return group
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(
+            f"unknown group {group!r} in the control socket's allowed groups"
+        ) from None
+
+
+async def _bind(path: Path, mode: int) -> tuple[anyio.abc.SocketListener, os.stat_result]:
+    await _remove_stale(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        try:
+            sock.bind(str(path))
+        except OSError as e:
+            raise Unavailable(f"cannot bind {path}: {e}") from None
+        # Nobody can connect before listen(), so the mode is right before the first client.
+        os.chmod(path, mode)
+        created = os.stat(path)
+        sock.listen(128)
+        return await anyio.abc.SocketListener.from_socket(sock), created
+    except BaseException:
+        sock.close()
+        raise
+
+
+async def _remove_stale(path: Path) -> None:
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise Unavailable(f"{path} exists and is not a socket")
+    except FileNotFoundError:
+        return
+    try:
+        stream = await anyio.connect_unix(path)
+    except ConnectionRefusedError:
+        log.info("control_stale_socket_removed", socket=str(path))
+        os.unlink(path)
+        return
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise Unavailable(f"cannot tell whether {path} is in use: {e}") from None
+    await stream.aclose()
+    raise Unavailable(f"another workflowd is listening on {path}")
+
+
+def _unlink_if_same(path: Path, created: os.stat_result) -> None:
+    try:
+        now = os.lstat(path)
+        if (now.st_dev, now.st_ino) == (created.st_dev, created.st_ino):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _peer_groups(uid: int, gid: int) -> set[int]:
+    try:
+        return {gid, *os.getgrouplist(pwd.getpwuid(uid).pw_name, gid)}
+    except KeyError:
+        return {gid}
+
+
+class _Control:
+    """Per-server state: limits, the allow-list and the count of open connections."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        uids: set[int],
+        gids: set[int],
+        max_bytes: int,
+        conns: int,
+        idle: float,
+    ) -> None:
+        self.backend, self.uids, self.gids = backend, uids, gids
+        self.max_bytes, self.max_conns, self.idle = max_bytes, conns, idle
+        self.active = 0
+
+    async def accept_loop(self, listener: anyio.abc.SocketListener) -> None:
+        """Accept clients forever; running out of file descriptors must not stop the server."""
+        async with anyio.create_task_group() as tg:
+            while True:
+                try:
+                    stream = await listener.accept()
+                except OSError as e:
+                    log.warning("control_accept_failed", error=str(e))
+                    await anyio.sleep(0.1)  # EMFILE and the like: give clients time to leave
+                    continue
+                tg.start_soon(self.connection, stream)
+
+    async def connection(self, stream: anyio.abc.SocketStream) -> None:
+        """Serve one client; nothing a client does may take the server down."""
+        try:
+            async with stream:
+                await self._admit(stream)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):
+            pass  # the peer went away
+        except Exception:
+            log.exception("control_connection_failed")
+
+    async def _admit(self, stream: anyio.abc.SocketStream) -> None:
+        if self.active >= self.max_conns:
+            await self._say(stream, error(None, "unavailable", "too many connections"))
+            return
+        self.active += 1
+        try:
+            raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+            creds = raw.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            pid, uid, gid = struct.unpack("3i", creds)
+            if not await self._allowed(uid, gid):
+                log.warning("control_forbidden", uid=uid, gid=gid, pid=pid)
+                await self._say(
+                    stream, error(None, "forbidden", f"uid {uid} may not use workflowd")
+                )
+                return
+            await _Session(self, stream).run()
+        finally:
+            self.active -= 1
+
+    async def _allowed(self, uid: int, gid: int) -> bool:
+        if uid in self.uids:
+            return True
+        if not self.gids:
+            return False
+        if gid in self.gids:
+            return True
+        groups = await anyio.to_thread.run_sync(_peer_groups, uid, gid)
+        return not self.gids.isdisjoint(groups)
+
+    async def _say(self, stream: anyio.abc.SocketStream, response: dict[str, Any]) -> None:
+        with anyio.move_on_after(self.idle):
+            await stream.send(encode(response))
+
+    async def dispatch(self, req: proto.AnyRequest, reply: Reply) -> Any:
+        """Run one request against the backend and return its result."""
+        b = self.backend
+        match req:
+            case proto.Ping():
+                return {"version": version(), "workflows": await b.counts()}
+            case proto.Start():
+                return await b.start(req.workflow, req.workflow_id, req.input)
+            case proto.Send():
+                return await self._send(req)
+            case proto.List():
+                return await b.list(status=req.status, workflow=req.workflow, limit=req.limit)
+            case proto.Show():
+                return await b.show(req.workflow_id)
+            case proto.History():
+                return await b.history(req.workflow_id, limit=req.limit)
+            case proto.Cancel():
+                return await b.cancel(req.workflow_id)
+            case proto.Logs():
+                return await self._logs(req, reply)
+            case _:
+                assert_never(req)
+
+    async def _send(self, req: proto.Send) -> Any:
+        result = await self.backend.send(
+            req.workflow_id, req.event, req.input, thread_id=req.thread_id, pc=req.pc, wait=req.wait
+        )
+        return result if req.wait else {"queued": True}
+
+    async def _logs(self, req: proto.Logs, reply: Reply) -> Any:
+        async with self.backend.subscribe_logs(req.workflow_id, follow=req.follow) as records:
+            async for record in records:
+                await reply(proto.log_line(req.id, record))
+        return {"end": True}
+
+
+class _Session:
+    """One connection: reads request lines and answers each in its own task."""
+
+    def __init__(self, control: _Control, stream: anyio.abc.SocketStream) -> None:
+        self.control, self.stream = control, stream
+        self.lock = anyio.Lock()
+        self.slots = anyio.Semaphore(MAX_IN_FLIGHT)
+        self.in_flight = 0
+        self.eof = False
+        self.follows: set[anyio.CancelScope] = set()
+
+    async def run(self) -> None:
+        """Answer every request until EOF, idleness or an oversized line."""
+        reader = BufferedByteReceiveStream(self.stream)
+        async with anyio.create_task_group() as self.tg:
+            while not self.eof and (line := await self._next_line(reader)) is not None:
+                if len(line) > self.control.max_bytes:
+                    message = f"request line over {self.control.max_bytes} bytes"
+                    await self.reply(error(None, "too_large", message))
+                    self.tg.cancel_scope.cancel()
+                    return
+                if line.strip():
+                    await self.slots.acquire()
+                    self.in_flight += 1
+                    self.tg.start_soon(self._request, line)
+            for scope in self.follows:  # the client stopped talking: stop streaming logs to it
+                scope.cancel()
+
+    async def _next_line(self, reader: BufferedByteReceiveStream) -> bytes | None:
+        """Return the next line (too long if over the limit), or None once idle."""
+        while True:
+            with anyio.move_on_after(self.control.idle):
+                try:
+                    return await reader.receive_until(b"\n", self.control.max_bytes + 1)
+                except anyio.IncompleteRead:
+                    self.eof = True
+                    return reader.buffer  # a last request may lack its newline
+                except anyio.DelimiterNotFound:
+                    return reader.buffer
+                except (anyio.BrokenResourceError, ConnectionError):
+                    self.tg.cancel_scope.cancel()  # the peer is gone: nobody to answer
+                    return None
+            if not self.in_flight:
+                return None
+
+    async def _request(self, line: bytes) -> None:
+        try:
+            await self._answer(line)
+        finally:
+            self.in_flight -= 1
+            self.slots.release()
+
+    async def _answer(self, line: bytes) -> None:
+        try:
+            req = proto.decode_request(line)
+        except proto.ProtocolError as e:
+            await self.reply(error(e.id, e.code, e.message))
+            return
+        try:
+            if isinstance(req, proto.Logs) and req.follow:
+                with anyio.CancelScope() as scope:
+                    self.follows.add(scope)
+                    if self.eof:  # the client has already hung up: nobody to stream to
+                        scope.cancel()
+                    result = await self.control.dispatch(req, self.reply)
+                self.follows.discard(scope)
+                if scope.cancelled_caught:
+                    return
+            else:
+                result = await self.control.dispatch(req, self.reply)
+        except WorkflowError as e:
+            await self.reply(error(req.id, e.code, e.message))
+        except Exception as e:
+            log.exception("control_request_failed", op=type(req).__name__.lower())
+            await self.reply(error(req.id, "internal", f"{type(e).__name__}: {e}"))
+        else:
+            await self.reply(proto.ok(req.id, result))
+
+    async def reply(self, response: dict[str, Any]) -> None:
+        """Write one response line; a peer that stops reading or goes away is dropped."""
+        try:
+            data = encode(response)
+        except Exception:
+            log.exception("control_encode_failed")
+            message = "the result cannot be encoded as JSON"
+            data = encode(error(response.get("id"), "internal", message))
+        async with self.lock:
+            with anyio.move_on_after(self.control.idle) as stalled:
+                try:
+                    await self.stream.send(data)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):
+                    self.tg.cancel_scope.cancel()
+            if stalled.cancelled_caught:
+                self.tg.cancel_scope.cancel()

@@ -1,0 +1,165 @@
+"""The control protocol: request shapes, error codes and newline-delimited JSON framing."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+#: The longest request line the daemon accepts, newline excluded.
+MAX_REQUEST_BYTES = 1 << 20
+
+#: Every error code a response can carry; clients may rely on them.
+ERROR_CODES = frozenset(
+    {
+        "bad_request",  # invalid JSON, a missing or ill-typed field
+        "unknown_op",  # the op is not one of the requests below
+        "not_found",  # no such workflow, workflow type or waiting event
+        "bad_input",  # the event's handler rejected the input
+        "stale",  # the callback's pc belongs to an earlier wait
+        "conflict",  # the request conflicts with the workflow's state
+        "too_large",  # the line is over the size limit; the connection is closed
+        "forbidden",  # the peer's uid/gid is not allowed; the connection is closed
+        "unavailable",  # the daemon is busy or shutting down
+        "invalid_definition",  # the workflow's definition is broken
+        "internal",  # a bug in workflowd; the daemon log has the traceback
+    }
+)
+
+Id = int | str | None
+Limit = Annotated[int, msgspec.Meta(ge=1, le=1_000_000)]
+
+
+class ProtocolError(Exception):
+    """A request could not be read; `code` is one of ERROR_CODES."""
+
+    def __init__(self, code: str, message: str, id: Id = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.id = id
+
+
+class Request(msgspec.Struct, tag_field="op", kw_only=True, omit_defaults=True):
+    """Fields every request has; `id` is echoed in each of its responses."""
+
+    id: Id = None
+
+
+class Ping(Request, tag="ping"):
+    """Ask for the daemon's version and workflow counts by status."""
+
+
+class Start(Request, tag="start"):
+    """Start a workflow of type `workflow`."""
+
+    workflow: str
+    workflow_id: str | None = None
+    input: dict[str, Any] | None = None
+
+
+class Send(Request, tag="send"):
+    """Deliver an event to a waiting workflow; the result is the handler's output."""
+
+    workflow_id: str
+    event: str
+    input: Any = None
+    thread_id: str | None = None
+    pc: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    wait: bool = True
+
+
+class List(Request, tag="list"):
+    """List workflows, newest first, optionally filtered."""
+
+    status: str | None = None
+    workflow: str | None = None
+    limit: Limit = 100
+
+
+class Show(Request, tag="show"):
+    """Return one workflow's data and state."""
+
+    workflow_id: str
+
+
+class History(Request, tag="history"):
+    """Return one workflow's history records, oldest first."""
+
+    workflow_id: str
+    limit: Limit = 1000
+
+
+class Cancel(Request, tag="cancel"):
+    """Cancel a workflow and tear down its pending waits."""
+
+    workflow_id: str
+
+
+class Logs(Request, tag="logs"):
+    """Stream log records: the recent ones, then (with follow) new ones as they come."""
+
+    follow: bool = False
+    workflow_id: str | None = None
+
+
+AnyRequest = Ping | Start | Send | List | Show | History | Cancel | Logs
+OPS = frozenset(t.__struct_config__.tag for t in AnyRequest.__args__)
+
+# Values JSON cannot hold (a Path in a log record, say) are sent as their str().
+_encoder = msgspec.json.Encoder(enc_hook=str)
+
+
+def encode(obj: Any) -> bytes:
+    """Return `obj` as one JSON line, newline included."""
+    return _encoder.encode(obj) + b"\n"
+
+
+def decode_request(line: bytes) -> AnyRequest:
+    """Parse one request line; raise ProtocolError with a clear message if it is not valid."""
+    try:
+        obj = msgspec.json.decode(line)
+    except msgspec.DecodeError as e:
+        raise ProtocolError("bad_request", f"invalid JSON: {e}") from None
+    except msgspec.ValidationError as e:
+        raise ProtocolError("bad_request", f"invalid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("bad_request", "a request must be a JSON object")
+    raw_id = obj.get("id")
+    id = raw_id if isinstance(raw_id, int | str) and not isinstance(raw_id, bool) else None
+    op = obj.get("op")
+    if not isinstance(op, str):
+        raise ProtocolError("bad_request", "field `op` must be a string", id)
+    if op not in OPS:
+        raise ProtocolError("unknown_op", f"unknown op {op!r}", id)
+    try:
+        request: AnyRequest = msgspec.convert(obj, AnyRequest)
+        return request
+    except msgspec.ValidationError as e:
+        raise ProtocolError("bad_request", str(e), id) from None
+
+
+def ok(id: Id, result: Any) -> dict[str, Any]:
+    """Build a success response."""
+    return {"id": id, "ok": True, "result": result}
+
+
+def error(id: Id, code: str, message: str) -> dict[str, Any]:
+    """Build an error response."""
+    return {"id": id, "ok": False, "error": {"code": code, "message": message}}
+
+
+def log_line(id: Id, record: dict[str, Any]) -> dict[str, Any]:
+    """Build one response of a `logs` stream."""
+    return {"id": id, "ok": True, "log": record}
+
+
+def decode_response(line: bytes) -> dict[str, Any]:
+    """Parse one response line (for clients); raise ProtocolError if it is not an object."""
+    try:
+        obj = msgspec.json.decode(line)
+    except msgspec.MsgspecError as e:
+        raise ProtocolError("bad_request", f"invalid response: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("bad_request", "invalid response: not a JSON object")
+    return obj
