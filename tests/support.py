@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
+
+import anyio
 
 from daemon import CallbackRequest, CheckpointType, State, Workflow, handle_callback, resume
 
@@ -63,3 +66,12 @@ class Driver(Generic[W]):
         out = await handle_callback(CallbackRequest(name=name, **kw), self.wf, self.state, input)
         await self.resume()
         return out
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], limit_s: float = 10.0) -> None:
+    """Poll an async condition until it holds, failing after `limit_s` seconds."""
+    with anyio.fail_after(limit_s):
+        while True:
+            if await check():
+                return
+            await anyio.sleep(0.01)

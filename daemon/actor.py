@@ -1,0 +1,364 @@
+"""One busy workflow's actor: applies its callbacks, resumes it, retries and fails it."""
+
+from __future__ import annotations
+
+import inspect
+import sqlite3
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import structlog
+from structlog.contextvars import bound_contextvars
+
+from .engine import Definition, handle_callback, release_waits, resume
+from .errors import CallbackNotFound, StepFailed, Unavailable, WorkflowError
+from .handler import CallbackRequest
+from .state import FINAL_STATUSES, CheckpointType, EventStatus, State, WorkflowStatus
+from .statements import NonRetryableError, Retry, Step
+from .workflow import Workflow
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+log = structlog.get_logger()
+_DURABLE = (CheckpointType.AFTER_STEP, CheckpointType.AFTER_CONDITION)
+_BROKEN = (EventStatus.SETUP_ERROR, EventStatus.TEARDOWN_ERROR)
+
+
+@dataclass(slots=True)
+class Loaded:
+    """A workflow in memory: its data, its state and its retry bookkeeping."""
+
+    wf: Workflow
+    state: State
+    attempt: int = 0
+    error: str | None = None
+    next_run_at: float | None = None
+
+
+class Reply:
+    """The answer to one queued request, awaited by whoever queued it."""
+
+    def __init__(self) -> None:
+        self._done = anyio.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def set(self, value: Any) -> None:
+        """Answer with a value."""
+        self._value = value
+        self._done.set()
+
+    def fail(self, error: BaseException) -> None:
+        """Answer with an error."""
+        self._error = error
+        self._done.set()
+
+    async def wait(self) -> Any:
+        """Return the answer, or raise its error."""
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+@dataclass(slots=True)
+class Item:
+    """Work for an actor: "resume", "callback" or "cancel"."""
+
+    kind: str
+    req: CallbackRequest | None = None
+    input: Any = None
+    reply: Reply | None = None
+    inbox_id: int | None = None
+
+
+@dataclass(eq=False)
+class Actor:
+    """Drains one workflow's queue, then exits; waiting workflows have no actor."""
+
+    rt: Runtime
+    workflow_id: str
+    items: deque[Item] = field(default_factory=deque)
+    wake: anyio.Event = field(default_factory=anyio.Event)
+    running_step: tuple[str, float] | None = None
+    _scope: anyio.CancelScope | None = None
+    _interruptible: bool = False
+    _cancelling: bool = False
+    _stop: bool = False
+    _history: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    _inbox_done: list[int] = field(default_factory=list)
+    _io_failures: int = 0
+
+    def interrupt(self) -> None:
+        """Stop the running step or retry wait because a cancel is coming."""
+        self._cancelling = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def stop_after_current(self) -> None:
+        """Finish the running step, then stop (shutdown); a retry wait ends at once."""
+        self._stop = True
+        if self._scope is not None and self._interruptible:
+            self._scope.cancel()
+
+    async def run(self) -> None:
+        """Process queued items and resume the workflow until it blocks."""
+        with bound_contextvars(workflow_id=self.workflow_id):
+            try:
+                loaded = await self.rt.load(self.workflow_id)
+            except WorkflowError as e:
+                self._reject_all(e)
+                return
+            with bound_contextvars(workflow=loaded.state.workflow):
+                try:
+                    await self._loop(loaded)
+                finally:
+                    # Inbox-backed items stay in the store and are recovered on restart.
+                    self._reject_all(Unavailable("workflowd is shutting down"))
+
+    async def _loop(self, loaded: Loaded) -> None:
+        while not self._stop:
+            if self._cancelling:
+                loaded = await self._cancel(loaded)
+                continue
+            status = loaded.state.status
+            if status in FINAL_STATUSES:
+                self._reject_all(CallbackNotFound(f"workflow {self.workflow_id} is {status}"))
+                return
+            if status is WorkflowStatus.RESUMING or loaded.next_run_at is not None:
+                if loaded.next_run_at is not None and loaded.next_run_at > self.rt.clock.now():
+                    await self._sleep_until(loaded.next_run_at)
+                    continue
+                loaded = await self._guard(self._advance, loaded)
+                continue
+            if not self.items:
+                return
+            item = self.items.popleft()
+            if item.kind == "callback":
+                loaded = await self._guard(self._callback, loaded, item)
+            elif item.kind == "resume":
+                loaded.next_run_at = self.rt.clock.now()  # resume once (e.g. to retry a setup)
+
+    async def _guard(self, fn: Any, loaded: Loaded, *args: Any) -> Loaded:
+        """Run one unit of work; an I/O failure reloads the durable state and backs off."""
+        try:
+            await fn(loaded, *args)
+            self._io_failures = 0
+            return self.rt.cache.get(self.workflow_id, loaded)
+        except Exception as e:  # noqa: BLE001 - e.g. disk full: never crash, back off and retry
+            self._io_failures += 1
+            delay = self._backoff(self._io_failures, None)
+            event = (
+                "checkpoint_failed" if isinstance(e, sqlite3.Error | OSError) else "workflow_error"
+            )
+            log.error(event, error=f"{type(e).__name__}: {e}", retry_in_s=delay)
+            self.rt.forget(self.workflow_id)
+            self._history.clear()
+            self._inbox_done.clear()
+            await self._sleep_until(self.rt.clock.now() + delay)
+            fresh = await self.rt.load(self.workflow_id)
+            if fresh.state.status is not WorkflowStatus.RESUMING:
+                fresh.next_run_at = self.rt.clock.now()  # resume once to finish setup
+            self.rt.rearm(fresh)
+            return fresh
+
+    async def _sleep_until(self, deadline: float) -> None:
+        with anyio.CancelScope() as self._scope:
+            self._interruptible = True
+            await self.rt.clock.sleep_until(deadline)
+        self._scope, self._interruptible = None, False
+
+    async def _save(self, loaded: Loaded) -> None:
+        await self.rt.store.checkpoint(
+            self.workflow_id,
+            status=loaded.state.status.value,
+            data=loaded.wf.to_json(),
+            state=loaded.state.to_json(),
+            error=loaded.error,
+            attempt=loaded.attempt,
+            next_run_at=loaded.next_run_at,
+            history=self._history,
+            inbox_done=self._inbox_done,
+        )
+        self._history, self._inbox_done = [], []
+
+    async def _checkpoint(self, loaded: Loaded, kind: CheckpointType) -> None:
+        # Resume transitions are a pure function of data and state, so only what follows a
+        # side effect must be durable at once; the rest is written when resume returns.
+        if kind in _DURABLE:
+            await self._save(loaded)
+
+    async def _advance(self, loaded: Loaded) -> None:
+        loaded.next_run_at = None
+
+        async def checkpoint(kind: CheckpointType) -> None:
+            await self._checkpoint(loaded, kind)
+
+        with anyio.CancelScope() as self._scope:
+            try:
+                await resume(loaded.wf, loaded.state, checkpoint, run_step=self._run_step)
+            except StepFailed as e:
+                await self._step_failed(loaded, e)
+                return
+            except WorkflowError as e:
+                await self._fail(await self._reload(), str(e))
+                return
+        self._scope = None
+        if self._cancelling:
+            return
+        broken = [
+            ev.error for t in loaded.state.threads for ev in t.wait_events if ev.status in _BROKEN
+        ]
+        if broken:
+            loaded.attempt += 1
+            delay = self._backoff(loaded.attempt, None)
+            loaded.error, loaded.next_run_at = "; ".join(broken), self.rt.clock.now() + delay
+            log.warning("handler_failed", error=loaded.error, retry_in_s=delay)
+        else:
+            loaded.attempt, loaded.error = 0, None
+        await self._save(loaded)
+        self.rt.rearm(loaded)
+        if loaded.state.status is WorkflowStatus.FINISHED:
+            log.info("workflow_finished")
+
+    async def _run_step(self, step: Step) -> None:
+        self.running_step = (step.name, time.monotonic())
+        started = time.perf_counter()
+        action = step.action
+        try:
+            with anyio.fail_after(step.timeout) if step.timeout else _nullcontext():
+                if inspect.iscoroutinefunction(action):
+                    await action()
+                else:
+                    result = await anyio.to_thread.run_sync(action, limiter=self.rt.limiter)
+                    if inspect.isawaitable(result):
+                        await result
+        finally:
+            self.running_step = None
+        ms = round((time.perf_counter() - started) * 1000, 3)
+        log.info("step_done", step=step.name, duration_ms=ms)
+        self._history.append(("step_done", {"step": step.name, "duration_ms": ms}))
+
+    async def _step_failed(self, loaded: Loaded, e: StepFailed) -> None:
+        step = Definition(loaded.wf.definition()).steps.get(e.step)
+        policy = (step.retry if step is not None else None) or Retry()
+        fresh = await self._reload()
+        attempt = fresh.attempt + 1
+        limit = (
+            policy.max_attempts
+            if policy.max_attempts is not None
+            else self.rt.settings.retry_max_attempts
+        )
+        fatal = isinstance(e.cause, (NonRetryableError, *policy.non_retryable))
+        detail = {"step": e.step, "error": str(e), "attempt": attempt}
+        if fatal or (limit and attempt >= limit):
+            log.warning("step_failed", step=e.step, error=str(e), attempt=attempt, final=True)
+            self._history.append(("step_failed", detail))
+            await self._fail(fresh, str(e))
+            return
+        delay = self._backoff(attempt, policy)
+        fresh.attempt, fresh.error = attempt, str(e)
+        fresh.next_run_at = self.rt.clock.now() + delay
+        log.warning("step_failed", step=e.step, error=str(e), attempt=attempt, retry_in_s=delay)
+        await self.rt.store.set_status(
+            self.workflow_id,
+            status=fresh.state.status.value,
+            error=fresh.error,
+            attempt=attempt,
+            next_run_at=fresh.next_run_at,
+            history=[("step_failed", {**detail, "retry_in_s": delay})],
+        )
+
+    def _backoff(self, attempt: int, policy: Retry | None) -> float:
+        s = self.rt.settings
+        initial = policy.initial_s if policy and policy.initial_s is not None else s.retry_initial_s
+        cap = policy.max_s if policy and policy.max_s is not None else s.retry_max_s
+        return float(min(initial * 2 ** max(0, attempt - 1), cap))
+
+    async def _reload(self) -> Loaded:
+        self.rt.forget(self.workflow_id)
+        return await self.rt.load(self.workflow_id)
+
+    async def _end(self, loaded: Loaded, status: WorkflowStatus, error: str | None) -> None:
+        """Finish a workflow as failed or cancelled, tearing down every wait."""
+        loaded.state.status, loaded.error, loaded.next_run_at = status, error, None
+        self.rt.arms.disarm_workflow(self.workflow_id)
+        release_waits(loaded.state)
+        try:
+            events = Definition(loaded.wf.definition()).events
+        except WorkflowError:
+            events = {}  # the definition itself is broken: the waits are kept as errors
+        for t in loaded.state.threads:
+            for ev in list(t.wait_events):
+                on = events.get(ev.req.name)
+                try:
+                    if on is None:
+                        raise WorkflowError(f"event {ev.req.name!r} is not in the definition")
+                    await on.handler.teardown(ev.req, ev.handled)
+                    t.wait_events.remove(ev)
+                except Exception as exc:  # noqa: BLE001 - recorded so `show` explains it
+                    ev.status, ev.error = EventStatus.TEARDOWN_ERROR, f"{type(exc).__name__}: {exc}"
+        self._history.append((status.value.lower(), {"error": error}))
+        await self._save(loaded)
+
+    async def _fail(self, loaded: Loaded, error: str) -> None:
+        await self._end(loaded, WorkflowStatus.FAILED, error)
+        log.error("workflow_failed", error=error)
+
+    async def _cancel(self, loaded: Loaded) -> Loaded:
+        self._cancelling = False
+        cancels = [i for i in self.items if i.kind == "cancel"]
+        for item in cancels:
+            self.items.remove(item)
+        if loaded.state.status not in FINAL_STATUSES:
+            loaded = await self._reload()
+            await self._end(loaded, WorkflowStatus.CANCELLED, None)
+            log.info("workflow_cancelled")
+        for item in cancels:
+            if item.reply is not None:
+                item.reply.set({"status": loaded.state.status.value})
+        return loaded
+
+    async def _callback(self, loaded: Loaded, item: Item) -> None:
+        assert item.req is not None
+        reply = item.reply or Reply()
+        event = item.req.name
+        try:
+            out = await handle_callback(item.req, loaded.wf, loaded.state, item.input)
+        except WorkflowError as e:
+            log.info("callback_rejected", event_name=event, code=e.code, error=str(e))
+            reply.fail(e)
+            if item.inbox_id is not None:
+                self._inbox_done.append(item.inbox_id)
+                self._history.append(("callback_rejected", {"event": event, "error": str(e)}))
+                await self._save(loaded)
+            return
+        if item.inbox_id is not None:
+            self._inbox_done.append(item.inbox_id)
+        self._history.append(("callback_received", {"event": event}))
+        log.info("callback_received", event_name=event, thread=item.req.thread_id or None)
+        self.rt.rearm(loaded)
+        try:
+            await self._save(loaded)
+        except Exception as e:
+            reply.fail(Unavailable(f"callback not stored: {type(e).__name__}: {e}"))
+            raise
+        reply.set(out)
+
+    def _reject_all(self, error: WorkflowError) -> None:
+        while self.items:
+            item = self.items.popleft()
+            if item.reply is not None:
+                item.reply.fail(error)
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

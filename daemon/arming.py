@@ -1,0 +1,154 @@
+"""Armed waits: one heap for every timer, one task per active handler, nothing else."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import anyio
+import anyio.abc
+import structlog
+
+from .clock import Clock
+from .handler import CallbackRequest, Deliver, Handler
+
+log = structlog.get_logger()
+
+#: An armed wait: workflow id, thread id, event name, pc.
+Key = tuple[str, str, str, int]
+#: Submits a callback for an armed wait; `wait` says whether to await its result.
+Submit = Callable[[CallbackRequest, Any, bool], Coroutine[Any, Any, Any]]
+
+LISTEN_RETRY_MAX_S = 60.0
+
+
+def key_of(req: CallbackRequest) -> Key:
+    """Return the key of the wait `req` addresses."""
+    return (req.workflow_id, req.thread_id, req.name, req.pc)
+
+
+class Arms:
+    """Keeps the timers and listen tasks of every armed wait, and fires them."""
+
+    def __init__(self, tg: anyio.abc.TaskGroup, clock: Clock, submit: Submit) -> None:
+        self._tg, self._clock, self._submit = tg, clock, submit
+        self._heap: list[tuple[float, int, Key]] = []
+        self._seq = itertools.count()
+        self._timers: dict[Key, float] = {}
+        self._listeners: dict[Key, anyio.CancelScope] = {}
+        self._delivering: set[Key] = set()
+        self._by_workflow: dict[str, set[Key]] = {}
+        self._wake = anyio.Event()
+
+    def __len__(self) -> int:
+        return len(self._timers) + len(self._listeners)
+
+    def armed(self, workflow_id: str) -> set[Key]:
+        """Return the keys armed for one workflow."""
+        return set(self._by_workflow.get(workflow_id, ()))
+
+    def sync(self, workflow_id: str, wanted: dict[Key, tuple[CallbackRequest, Handler]]) -> None:
+        """Make the armed waits of one workflow exactly `wanted`."""
+        for key in self.armed(workflow_id) - wanted.keys():
+            self.disarm(key)
+        for key, (req, handler) in wanted.items():
+            if key not in self._timers and key not in self._listeners:
+                self._arm(key, req, handler)
+
+    def _arm(self, key: Key, req: CallbackRequest, handler: Handler) -> None:
+        deadline_of = getattr(handler, "deadline", None)
+        listen = getattr(handler, "listen", None)
+        if deadline_of is not None:
+            deadline = float(deadline_of(req))
+            self._timers[key] = deadline
+            heapq.heappush(self._heap, (deadline, next(self._seq), key))
+            if self._heap[0][2] == key:
+                self._wake.set()
+        elif listen is not None:
+            scope = anyio.CancelScope()
+            self._listeners[key] = scope
+            self._tg.start_soon(self._listen, key, req, listen, scope)
+        else:
+            return
+        self._by_workflow.setdefault(key[0], set()).add(key)
+
+    def disarm(self, key: Key) -> None:
+        """Stop a timer or cancel a listen task; a listener that is delivering may finish."""
+        self._timers.pop(key, None)  # its heap entry is skipped when popped
+        scope = self._listeners.pop(key, None)
+        if scope is not None and key not in self._delivering:
+            scope.cancel()
+        keys = self._by_workflow.get(key[0])
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._by_workflow[key[0]]
+
+    def disarm_workflow(self, workflow_id: str) -> None:
+        """Disarm every wait of one workflow."""
+        for key in self.armed(workflow_id):
+            self.disarm(key)
+
+    async def _listen(
+        self,
+        key: Key,
+        req: CallbackRequest,
+        listen: Callable[[CallbackRequest, Deliver], Awaitable[None]],
+        scope: anyio.CancelScope,
+    ) -> None:
+        async def deliver(value: Any) -> Any:
+            self._delivering.add(key)
+            try:
+                return await self._submit(req, value, True)
+            finally:
+                self._delivering.discard(key)
+
+        delay = 1.0
+        with scope:
+            while True:
+                try:
+                    await listen(req, deliver)
+                    return
+                except Exception as e:  # noqa: BLE001 - a broken listener is retried, never fatal
+                    log.warning(
+                        "listen_failed",
+                        workflow_id=req.workflow_id,
+                        event=req.name,
+                        error=f"{type(e).__name__}: {e}",
+                        retry_in_s=delay,
+                    )
+                await anyio.sleep(delay)
+                delay = min(delay * 2, LISTEN_RETRY_MAX_S)
+
+    async def run_timers(self) -> None:
+        """Fire every timer when its deadline passes; runs until cancelled."""
+        while True:
+            self._wake = anyio.Event()
+            if not self._heap:
+                await self._wake.wait()
+                continue
+            deadline = self._heap[0][0]
+            if deadline > self._clock.now():
+                await self._sleep_or_wake(deadline)
+                continue
+            now = self._clock.now()
+            while self._heap and self._heap[0][0] <= now:
+                due, _, key = heapq.heappop(self._heap)
+                if self._timers.get(key) != due:
+                    continue  # disarmed or re-armed since
+                self.disarm(key)
+                req = CallbackRequest(key[0], key[1], key[2], key[3])
+                self._tg.start_soon(self._submit, req, {"deadline": due, "fired_at": now}, False)
+
+    async def _sleep_or_wake(self, deadline: float) -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def sleeper() -> None:
+                await self._clock.sleep_until(deadline)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(sleeper)
+            await self._wake.wait()
+            tg.cancel_scope.cancel()
