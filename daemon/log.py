@@ -109,6 +109,12 @@ class LogHub:
                 if sub.wants(record):
                     sub.offer(record)
 
+    def recent(self, workflow_id: str | None = None) -> list[dict[str, Any]]:
+        """Return the buffered records (of one workflow if given), oldest first."""
+        with self._lock:
+            records = list(self._buffer)
+        return [r for r in records if workflow_id is None or r.get("workflow_id") == workflow_id]
+
     @asynccontextmanager
     async def subscribe(
         self, workflow_id: str | None = None

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import anyio.abc
@@ -49,14 +49,29 @@ class Settings:
     cache_size: int = 10_000
 
 
-class LogSource:
+class LogSource(Protocol):
     """What the runtime needs of the log hub to serve `logs`."""
+
+    def recent(self, workflow_id: str | None = None) -> builtins.list[dict[str, Any]]:
+        """Return the buffered records."""
+        ...
 
     def subscribe(
         self, workflow_id: str | None = None
     ) -> AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]:
-        """Stream log records."""
-        raise NotImplementedError
+        """Stream buffered, then live, records."""
+        ...
+
+
+@asynccontextmanager
+async def _replay(
+    records: builtins.list[dict[str, Any]],
+) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+    async def each() -> AsyncIterator[dict[str, Any]]:
+        for record in records:
+            yield record
+
+    yield each()
 
 
 class Runtime:
@@ -355,12 +370,18 @@ class Runtime:
         return await self.store.counts()
 
     def subscribe_logs(
-        self, workflow_id: str | None = None
+        self, workflow_id: str | None = None, *, follow: bool = True
     ) -> AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]:
-        """Stream log records (recent ones first) for `workflowctl logs`."""
+        """Stream log records for `workflowctl logs`: the recent ones, then live ones if `follow`."""
         if self.logs is None:
             raise Unavailable("live logs are not enabled")
-        return self.logs.subscribe(workflow_id)
+        if follow:
+            return self.logs.subscribe(workflow_id)
+        return _replay(self.logs.recent(workflow_id))
+
+    async def gc(self, keep_days: float) -> int:
+        """Delete finished, failed and cancelled workflows older than `keep_days`."""
+        return await self.store.delete_finished(self.clock.now() - keep_days * 86400)
 
     def _check_open(self) -> None:
         if self.stopping:

@@ -7,7 +7,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Iterable
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, TypeVar
 
 import msgspec
 
@@ -16,6 +16,7 @@ from .statements import Section
 
 _SCALARS = (str, int, float, bool, type(None))
 _encoder = msgspec.json.Encoder()
+T = TypeVar("T")
 
 
 def check_field_type(tp: Any, where: str) -> None:
@@ -47,6 +48,27 @@ def check_field_type(tp: Any, where: str) -> None:
         f"{where}: type {tp!r} cannot be stored; use str, int, float, bool, None, "
         "list, dict[str, ...] or a dataclass of those"
     )
+
+
+def fill_defaults(obj: T) -> T:
+    """Store every defaulted field on the instance (msgspec leaves class defaults implicit).
+
+    Without this, a field still at its default would not be written to the store, and a later
+    change of the default in code would silently change running workflows.
+    """
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        attrs = getattr(obj, "__dict__", None)  # None for slots classes, which always set all
+        for f in dataclasses.fields(obj):
+            fill_defaults(getattr(obj, f.name))
+            if attrs is not None and f.name not in attrs:
+                setattr(obj, f.name, getattr(obj, f.name))
+    elif isinstance(obj, list):
+        for item in obj:
+            fill_defaults(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            fill_defaults(item)
+    return obj
 
 
 def _check_fields(cls: type) -> None:
@@ -81,7 +103,7 @@ class Workflow:
     @classmethod
     def from_json(cls, s: str | bytes) -> Self:
         """Rebuild a workflow from JSON text produced by `to_json`."""
-        return msgspec.json.decode(s, type=cls)
+        return fill_defaults(msgspec.json.decode(s, type=cls))
 
     @classmethod
     def from_input(cls, data: dict[str, Any] | None) -> Self:
@@ -96,7 +118,7 @@ class Workflow:
                 f"{cls.name} has no field {', '.join(unknown)}; fields: {', '.join(sorted(known))}"
             )
         try:
-            return msgspec.convert(data, type=cls)
+            return fill_defaults(msgspec.convert(data, type=cls))
         except msgspec.ValidationError as e:
             raise BadRequest(f"input for {cls.name}: {e}") from e
 

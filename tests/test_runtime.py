@@ -167,6 +167,14 @@ class TestStart:
             assert kinds.count("step_done") == 3
             assert kinds[0] == "started"
 
+    async def test_defaults_are_stored(self, tmp_path: Path) -> None:
+        """Fields left at their defaults are written to the store, not left implicit."""
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Approval", "a1", {})
+            row = await rt.store.get("a1")
+            assert row is not None
+            assert '"decision":""' in row.data and '"log":[]' in row.data
+
     async def test_idempotent_and_conflict(self, tmp_path: Path) -> None:
         """Starting an existing id returns it; a different type is a conflict."""
         async with running(tmp_path / "wf.db") as rt:
