@@ -56,6 +56,7 @@ async def fire(handler: FileWatch, req: CallbackRequest, act: Any = None) -> Any
                 await until(lambda: inotify_fds() > base or inbox.inputs)
                 act()
             await inbox.event.wait()
+    await until(lambda: inotify_fds() <= base)  # the watch closes (asynchronously) with listen
     assert len(inbox.inputs) == 1
     return inbox.inputs[0]
 
@@ -144,6 +145,7 @@ class TestFire:
                 assert inbox.inputs == []
                 target.write_text("new content")
                 await inbox.event.wait()
+        await until(lambda: inotify_fds() <= base)
 
     async def test_deleted(self, tmp_path: Path) -> None:
         """Removing the file fires `deleted`."""
