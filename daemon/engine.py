@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from .errors import (
     CallbackNotFound,
@@ -35,11 +35,13 @@ from .statements import (
     Continue,
     For,
     Go,
+    If,
     On,
     Return,
     Section,
     Step,
     Stmt,
+    Switch,
     Wait,
     WaitFor,
     _Branching,
@@ -51,6 +53,7 @@ MAX_TRANSITIONS = 10_000
 
 
 Checkpoint = Callable[[CheckpointType], Awaitable[None]]
+_F = TypeVar("_F")
 StepRunner = Callable[[Step], Awaitable[None]]
 
 
@@ -73,7 +76,7 @@ class Definable(Protocol):
 async def call_action(fn: Callable[[], object]) -> object:
     """Call a sync or async zero-argument callable."""
     result = fn()
-    if inspect.isawaitable(result):
+    if result is not None and inspect.isawaitable(result):
         return await result
     return result
 
@@ -85,7 +88,7 @@ async def _run_step(step: Step) -> None:
 class Definition:
     """A validated definition with its statements indexed by name."""
 
-    __slots__ = ("events", "gos", "root", "steps", "wait_fors", "waits")
+    __slots__ = ("_names", "events", "gos", "root", "steps", "wait_fors", "waits")
 
     def __init__(self, root: Section) -> None:
         self.root = root
@@ -94,30 +97,33 @@ class Definition:
         self.wait_fors: dict[str, WaitFor] = {}
         self.gos: dict[str, Go] = {}
         self.events: dict[str, On] = {}
-        self._index(root, set(), in_loop=False)
+        # Every name claimed so far: names are unique within a definition.
+        self._names: set[str] = set()
+        self._index(root, in_loop=False)
 
-    def _index(self, stmt: Stmt, names: set[str], in_loop: bool) -> None:
-        def claim(name: str, what: str) -> None:
-            if not isinstance(name, str) or not name:
-                raise ValidationError(f"{what} needs a non-empty string name, got {name!r}")
-            if name in names:
-                raise ValidationError(f"duplicate name {name!r} ({what})")
-            names.add(name)
+    def _claim(self, name: str, what: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValidationError(f"{what} needs a non-empty string name, got {name!r}")
+        if name in self._names:
+            raise ValidationError(f"duplicate name {name!r} ({what})")
+        self._names.add(name)
 
+    def _index(self, stmt: Stmt, in_loop: bool) -> None:
+        claim = self._claim
         match stmt:
             case Section(stmts=stmts):
                 for s in stmts:
-                    self._index(s, names, in_loop)
+                    self._index(s, in_loop)
             case Step(name=name):
                 claim(name, "step")
                 self.steps[name] = stmt
             case _Branching(branches=branches):
                 for b in branches:
                     claim(b.name, "branch")
-                    self._index(b.body, names, in_loop)
+                    self._index(b.body, in_loop)
             case For(name=name, body=body):
                 claim(name, "for")
-                self._index(body, names, in_loop=True)
+                self._index(body, in_loop=True)
             case Wait(name=name, cases=cases):
                 claim(name, "wait")
                 if not cases:
@@ -126,14 +132,14 @@ class Definition:
                 for c in cases:
                     claim(c.event, "event")
                     self.events[c.event] = c
-                    self._index(c.body, names, in_loop)
+                    self._index(c.body, in_loop)
             case WaitFor(name=name):
                 claim(name, "wait_for")
                 self.wait_fors[name] = stmt
             case Go(name=name, body=body):
                 claim(name, "go")
                 self.gos[name] = stmt
-                self._index(body, names, in_loop=False)
+                self._index(body, in_loop=False)
             case Break() | Continue():
                 if not in_loop:
                     raise ValidationError(f"{type(stmt).__name__}() outside a For")
@@ -157,59 +163,39 @@ _Stop = Step | Wait | WaitFor | object | None
 class _Cursor:
     """Walks one thread through the definition: searching for `cur_step`, then running."""
 
-    __slots__ = ("budget", "running", "state", "thread")
+    __slots__ = ("resumer", "running", "thread")
 
-    def __init__(self, state: State, thread: Thread, budget: list[int]) -> None:
-        self.state, self.thread, self.budget = state, thread, budget
+    def __init__(self, resumer: _Resumer, thread: Thread) -> None:
+        self.resumer, self.thread = resumer, thread
         self.running = thread.cur_step == ""
 
-    def tick(self) -> None:
-        self.budget[0] -= 1
-        if self.budget[0] < 0:
-            raise RunawayWorkflow(
-                f"workflow {self.state.id} made {MAX_TRANSITIONS} transitions without "
-                f"blocking (thread {self.thread.id} near {self.thread.cur_step!r}); endless loop?"
-            )
-
     def run(self, stmt: Stmt) -> _Stop:
-        match stmt:
-            case Section(stmts=stmts):
-                for s in stmts:
-                    stop = self.run(s)
-                    if stop is not None:
-                        return stop
-                return None
-            case Step(name=name) | WaitFor(name=name):
-                if self.running:
-                    return stmt
-                if self.thread.cur_step == name:
-                    self.running = True
-                return None
-            case _Branching(branches=branches):
-                return self._branch(branches)
-            case For():
-                return self._loop(stmt)
-            case Wait():
-                return self._wait(stmt)
-            case Go():
-                if self.running:
-                    self._go(stmt)
-                return None
-            case Break():
-                return _BREAK if self.running else None
-            case Continue():
-                return _CONTINUE if self.running else None
-            case Return():
-                return _RETURN if self.running else None
-        raise UnknownStatement(f"not a statement: {stmt!r}")
+        return _dispatch(_RUN, stmt)(self, stmt)
 
-    def _branch(self, branches: list[Any]) -> _Stop:
+    def _section(self, stmt: Section) -> _Stop:
+        for s in stmt.stmts:
+            stop = _dispatch(_RUN, s)(self, s)
+            if stop is not None:
+                return stop
+        return None
+
+    def _leaf(self, stmt: Step | WaitFor) -> _Stop:
         if self.running:
-            for b in branches:
+            return stmt
+        if self.thread.cur_step == stmt.name:
+            self.running = True
+        return None
+
+    def _jump(self, stmt: Stmt) -> _Stop:
+        return _JUMPS[type(stmt)] if self.running else None
+
+    def _branch(self, stmt: _Branching) -> _Stop:
+        if self.running:
+            for b in stmt.branches:
                 if b.default or truth(b.cond):
                     return self.run(b.body)
             return None
-        for b in branches:
+        for b in stmt.branches:
             if self.thread.cur_step == b.name:
                 self.running = True
                 return self.run(b.body)
@@ -231,7 +217,7 @@ class _Cursor:
                 if stop is not None and stop is not _CONTINUE:
                     return stop
         while truth(stmt.cond):
-            self.tick()
+            self.resumer.tick(self.thread)
             stop = self.run(stmt.body)
             if stop is _BREAK:
                 return None
@@ -260,11 +246,45 @@ class _Cursor:
                 return stop
         return None
 
-    def _go(self, stmt: Go) -> None:
-        tid = stmt.thread_id
-        if self.state.thread(tid) is not None:
+    def _go(self, stmt: Go) -> _Stop:
+        if not self.running:
+            return None
+        tid, state = stmt.thread_id, self.resumer.state
+        if state.thread(tid) is not None:
             raise WorkflowError(f"thread {tid!r} is already running (give Go an id= per loop)")
-        self.state.threads.append(Thread(tid, stmt.name))
+        state.threads.append(Thread(tid, stmt.name))
+        return None
+
+
+_JUMPS: dict[type[Stmt], object] = {Break: _BREAK, Continue: _CONTINUE, Return: _RETURN}
+# A dict from statement type to method: cheaper than `match` on class patterns on this hot path.
+_RUN: dict[type[Stmt], Callable[[_Cursor, Any], _Stop]] = {
+    Section: _Cursor._section,
+    _Branching: _Cursor._branch,
+    Step: _Cursor._leaf,
+    WaitFor: _Cursor._leaf,
+    If: _Cursor._branch,
+    Switch: _Cursor._branch,
+    For: _Cursor._loop,
+    Wait: _Cursor._wait,
+    Go: _Cursor._go,
+    Break: _Cursor._jump,
+    Continue: _Cursor._jump,
+    Return: _Cursor._jump,
+}
+
+
+def _dispatch(table: dict[type[Stmt], _F], stmt: Stmt) -> _F:
+    """Return the entry for `stmt`'s type, learning subclasses of known statements."""
+    try:
+        return table[type(stmt)]
+    except KeyError:
+        pass
+    for base in type(stmt).__mro__:
+        if base in table:
+            table[type(stmt)] = table[base]
+            return table[base]
+    raise UnknownStatement(f"not a statement: {stmt!r}")
 
 
 class _Resumer:
@@ -272,14 +292,45 @@ class _Resumer:
 
     def __init__(self, wf: Definable, state: State, checkpoint: Checkpoint, run: StepRunner):
         self.wf, self.state, self.checkpoint, self.run_step = wf, state, checkpoint, run
-        self.defn = Definition(wf.definition())
-        self.budget = [MAX_TRANSITIONS]
+        self.root = wf.definition()
+        # Validated once per call, as the seed does; rebuilds are indexed only when needed.
+        self._defn: Definition | None = Definition(self.root)
+        # What cursors stopped at in the current tree, so most lookups need no index:
+        # the Step each thread runs next (by thread id) and the cases of Waits (by event).
+        self.ready: dict[str, Step] = {}
+        self.cases: dict[str, On] = {}
+        self.budget = MAX_TRANSITIONS
+
+    @property
+    def defn(self) -> Definition:
+        """Return the current tree, indexed (and validated) on first use."""
+        if self._defn is None:
+            self._defn = Definition(self.root)
+        return self._defn
 
     def rebuild(self) -> None:
-        self.defn = Definition(self.wf.definition())
+        # Most rebuilds are only walked by a cursor, so indexing waits until a lookup needs it.
+        self.root = self.wf.definition()
+        self._defn = None
+        self.ready.clear()
+        self.cases.clear()
+
+    def tick(self, t: Thread) -> None:
+        self.budget -= 1
+        if self.budget < 0:
+            raise RunawayWorkflow(
+                f"workflow {self.state.id} made {MAX_TRANSITIONS} transitions without "
+                f"blocking (thread {t.id} near {t.cur_step!r}); endless loop?"
+            )
+
+    def runnable(self) -> Thread | None:
+        for t in self.state.threads:
+            if t.status is ThreadStatus.EXECUTING or t.status is ThreadStatus.RESUMING:
+                return t
+        return None
 
     async def execute(self, t: Thread) -> None:
-        step = self.defn.steps.get(t.cur_step)
+        step = self.ready.pop(t.id, None) or self.defn.steps.get(t.cur_step)
         if step is None:
             raise StepNotFound(f"thread {t.id}: step {t.cur_step!r} is not in the definition")
         try:
@@ -295,12 +346,12 @@ class _Resumer:
     async def advance(self, t: Thread) -> None:
         s = self.state
         if t.name == MAIN_THREAD:
-            body: Section = self.defn.root
+            body: Section = self.root
         elif (go := self.defn.gos.get(t.name)) is not None:
             body = go.body
         else:
             raise StepNotFound(f"thread {t.id}: Go {t.name!r} is not in the definition")
-        cursor = _Cursor(s, t, self.budget)
+        cursor = _Cursor(self, t)
         t.pc += 1
         s.pc += 1
         stop = cursor.run(body)
@@ -310,6 +361,7 @@ class _Resumer:
             self.end_thread(t)
         elif isinstance(stop, Step):
             t.cur_step, t.status = stop.name, ThreadStatus.EXECUTING
+            self.ready[t.id] = stop
         elif isinstance(stop, WaitFor):
             t.cur_step, t.status = stop.name, ThreadStatus.WAITING_CONDITION
         elif isinstance(stop, Wait):
@@ -317,6 +369,7 @@ class _Resumer:
             for c in stop.cases:
                 req = CallbackRequest(s.id, t.id, c.event, t.pc)
                 t.wait_events.append(WaitEvent(c.handler.type, req))
+                self.cases[c.event] = c
         else:  # Break/Continue escaped every For: validate() rules this out
             raise ValidationError(f"thread {t.id}: Break/Continue outside a For")
         await self.checkpoint(CheckpointType.AFTER_RESUME)
@@ -382,7 +435,7 @@ class _Resumer:
                 await self.checkpoint(CheckpointType.AFTER_SETUP)
 
     def handler(self, ev: WaitEvent) -> Handler:
-        on = self.defn.events.get(ev.req.name)
+        on = self.cases.get(ev.req.name) or self.defn.events.get(ev.req.name)
         if on is None:
             raise StepNotFound(f"event {ev.req.name!r} is not in the definition")
         return on.handler
@@ -411,16 +464,9 @@ async def resume(
     state.pc += 1
     await r.teardown()
     while state.status not in FINAL_STATUSES:
-        t = next(
-            (
-                t
-                for t in state.threads
-                if t.status in (ThreadStatus.EXECUTING, ThreadStatus.RESUMING)
-            ),
-            None,
-        )
+        t = r.runnable()
         if t is not None:
-            _Cursor(state, t, r.budget).tick()
+            r.tick(t)
             if t.status is ThreadStatus.EXECUTING:
                 await r.execute(t)
             else:
