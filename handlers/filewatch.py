@@ -37,7 +37,7 @@ from watchfiles._rust_notify import RustNotify
 from daemon.handler import CallbackRequest, Deliver
 
 DEBOUNCE_MS = 50
-STEP_MS = 10
+STEP_MS = 20  # the watch thread wakes this often: cancellation latency vs idle cost
 _ON = ("created", "modified", "deleted", "exists", "nonempty")
 _MAGIC = re.compile(r"[*?[]")
 _Changes = set[tuple[int, str]]
@@ -153,8 +153,13 @@ async def _wait(spec: _Spec) -> str:
             continue  # the root vanished between the check and the watch
         with watcher:
             hit = _on_arm(spec)
-            while hit is None and _root(spec) == root:
-                hit = _on_changes(spec, await _next_batch(watcher))
+            while hit is None:
+                changes = await _next_batch(watcher)
+                hit = _on_changes(spec, changes)
+                # A root that was removed or renamed, or a missing directory that appeared,
+                # needs a new watch (inode numbers are reused, so compare paths).
+                if any(path == root for _, path in changes) or _root(spec) != root:
+                    break
         if hit is not None:
             return hit
 

@@ -115,6 +115,9 @@ class SocketListen:
                 out = await deliver(_parse(line))
             except WorkflowError as e:
                 return await self._reply(stream, _error(e))
+            except Exception:
+                await self._reply(stream, _error(WorkflowError()))
+                raise
             try:
                 await self._reply(stream, {"ok": True, "result": out})
             finally:

@@ -198,6 +198,35 @@ class TestFire:
         got = await fire(handler, req, act)
         assert got == {"path": str(target), "change": "created"}
 
+    async def test_parent_replaced(self, tmp_path: Path) -> None:
+        """A watched directory that is removed and made again is watched anew."""
+        parent = tmp_path / "d"
+        parent.mkdir()
+        target = parent / "f.txt"
+        handler = FileWatch(target, on="created")
+        req = await setup(handler)
+
+        def act() -> None:
+            parent.rmdir()
+            parent.mkdir()
+            target.touch()
+
+        assert (await fire(handler, req, act))["path"] == str(target)
+
+    async def test_nonempty_directory_replaced(self, tmp_path: Path) -> None:
+        """`nonempty` follows its directory when it is removed and made again."""
+        spool = tmp_path / "spool"
+        spool.mkdir()
+        handler = FileWatch(spool, on="nonempty")
+        req = await setup(handler)
+
+        def act() -> None:
+            spool.rmdir()
+            spool.mkdir()
+            (spool / "job").touch()
+
+        assert (await fire(handler, req, act))["path"] == str(spool)
+
 
 class TestRestart:
     async def test_exists_fires_at_once(self, tmp_path: Path) -> None:

@@ -209,6 +209,27 @@ class TestClients:
         assert reply["error"]["code"] == "bad_request"
         assert inbox.inputs == ["ok"]
 
+    async def test_deliver_crash(self, tmp_path: Path) -> None:
+        """An unexpected error from deliver gets an internal error reply and ends listen with it."""
+        path = tmp_path / "s"
+        handler = SocketListen(path=path)
+        req = await setup(handler)
+
+        async def broken(input: Any) -> Any:
+            raise RuntimeError("runtime bug")
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+
+                async def run() -> None:
+                    with pytest.raises(RuntimeError, match="runtime bug"):
+                        await handler.listen(req, broken)
+
+                tg.start_soon(run)
+                reply = await ask(path, b"1\n")
+        assert reply["error"]["code"] == "internal"
+        assert not path.exists()
+
 
 class TestTeardown:
     async def test_cancel_removes_listener(self, tmp_path: Path) -> None:
