@@ -1,0 +1,82 @@
+"""Control-socket benchmark: `send` round trips and durable callbacks/s through a real workflowd.
+
+Each client owns one `Pinged` workflow and sends it "ping" in a loop, one request at a
+time on its own connection. A send is answered once its callback is committed, so every
+round trip measured is one durable callback. The clients run in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from tests.harness import Daemon, connect
+
+from .bench_workflows import Pinged
+from .common import bench_daemon, call_many, percentile, query, until_count
+
+#: clients -> sends per client
+ROUNDS: dict[int, int] = {1: 3_000, 16: 1_000}
+WARMUP = 200
+TARGET_P50_MS_ONE_CLIENT = 1.0
+TARGET_CALLBACKS_PER_S_16 = 5_000.0
+
+
+async def _client(d: Daemon, workflow_id: str, sends: int, out: list[float]) -> None:
+    async with connect(d.socket) as c:
+        for _ in range(sends):
+            start = time.perf_counter()
+            response = await c.request("send", workflow_id=workflow_id, event="ping", input=1)
+            out.append(time.perf_counter() - start)
+            if not response["ok"]:
+                raise RuntimeError(f"send failed: {response}")
+
+
+async def _round(d: Daemon, tag: str, clients: int, sends: int) -> tuple[list[float], float]:
+    """Return every round trip (s) and the elapsed wall time of one round."""
+    latencies: list[float] = []
+    start = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for n in range(clients):
+            tg.start_soon(_client, d, f"{tag}-{n}", sends, latencies)
+    return latencies, time.perf_counter() - start
+
+
+async def run(tmp: Path, rounds: dict[int, int] | None = None, warmup: int = WARMUP) -> list[Any]:
+    """Measure send round trips with 1 and 16 clients, and durable callbacks/s."""
+    rounds = rounds or ROUNDS
+    figures: list[dict[str, Any]] = []
+    async with bench_daemon(tmp / "daemon") as d:
+        db = d.tmp / "wd.db"
+        ids = [f"c{clients}-{n}" for clients in rounds for n in range(clients)]
+        await call_many(d.socket, [{"op": "start", "workflow": Pinged.name, "workflow_id": i}
+                                   for i in ids])  # fmt: skip
+        waiting = "SELECT COUNT(*) FROM workflows WHERE status = 'Waiting'"
+        await until_count(db, waiting, (), len(ids), limit_s=60)
+        for clients, sends in rounds.items():
+            tag = f"c{clients}"
+            await _round(d, tag, clients, max(1, warmup // clients))
+            latencies, elapsed = await _round(d, tag, clients, sends)
+            context = {"mode": "workflowd", "clients": clients, "sends_each": sends}
+            p50, p99 = (round(percentile(latencies, p) * 1000, 3) for p in (50, 99))
+            target = TARGET_P50_MS_ONE_CLIENT if clients == 1 else None
+            rate_target = TARGET_CALLBACKS_PER_S_16 if clients == 16 else None
+            figures += [
+                {"metric": f"send_p50_{clients}_clients_ms", "value": p50, "target": target},
+                {"metric": f"send_p99_{clients}_clients_ms", "value": p99, "target": None},
+                {"metric": f"callbacks_{clients}_clients_per_s",
+                 "value": round(len(latencies) / elapsed), "target": rate_target},
+            ]  # fmt: skip
+            for fig in figures[-3:]:
+                fig.update(bench="control", unit="1/s" if "per_s" in fig["metric"] else "ms")
+                fig.update(context)
+            expected = max(1, warmup // clients) + sends
+            rows = query(db, "SELECT data FROM workflows WHERE id LIKE ?", (f"{tag}-%",))
+            counts = {json.loads(data)["count"] for (data,) in rows}
+            if counts != {expected}:
+                raise AssertionError(f"stored counts {counts}, expected {expected} each")
+    return figures

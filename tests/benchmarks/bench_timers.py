@@ -1,0 +1,128 @@
+"""Timer benchmark: lateness under a burst of deadlines, and memory/recovery of many waiters.
+
+Both parts run a real workflowd and start their `Alarm` workflows through the control socket
+(pipelined over 16 connections). Lateness is measured by the workflow itself: the step right
+after the timer's Wait stores `time.time() - deadline`, so it covers firing the timer, the
+durable callback and the resume that runs that step.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from tests.harness import Daemon, connect
+
+from .bench_workflows import Alarm
+from .common import bench_daemon, call_many, percentile, query, rss_mb, until_count
+
+LATENESS_TIMERS = 10_000
+WINDOW_S = 5.0
+#: A conservative guess of starts/s, to put the window after every workflow has started.
+STARTS_PER_S_GUESS = 1_000.0
+MEMORY_WORKFLOWS = 100_000
+TARGET_RSS_MB = 500.0
+CONNECTIONS = 16
+_COUNT = "SELECT COUNT(*) FROM workflows WHERE status = ?"
+
+
+def _starts(n: int, at: float, spread_s: float) -> list[dict[str, Any]]:
+    return [
+        {"op": "start", "workflow": Alarm.name, "workflow_id": f"a{i:07d}",
+         "input": {"at": at + spread_s * i / n}}
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def _figure(metric: str, value: float, target: float | None, **context: Any) -> dict[str, Any]:
+    unit = next((u for s, u in (("_ms", "ms"), ("_mb", "MB"), ("_per_s", "1/s"), ("_s", "s"))
+                 if metric.endswith(s)), "")  # fmt: skip
+    return {"bench": "timers", "metric": metric, "value": value, "unit": unit, "target": target,
+            "mode": "workflowd", **context}  # fmt: skip
+
+
+async def lateness(
+    tmp: Path, n: int = LATENESS_TIMERS, window_s: float = WINDOW_S, min_lead_s: float = 2.0
+) -> list[dict[str, Any]]:
+    """Start `n` workflows whose timers fall due within the same `window_s`; return lateness."""
+    async with bench_daemon(tmp) as d:
+        db = d.tmp / "wd.db"
+        window_at = time.time() + max(min_lead_s, n / STARTS_PER_S_GUESS)
+        await call_many(d.socket, _starts(n, window_at, window_s), CONNECTIONS)
+        lead_s = window_at - time.time()
+        limit_s = lead_s + window_s + 300
+        await until_count(db, _COUNT, ("Finished",), n, limit_s=limit_s, every_s=0.1)
+        rows = query(db, "SELECT data FROM workflows")
+    late = [json.loads(data)["late_s"] * 1000 for (data,) in rows]
+    context = {
+        "timers": n,
+        "window_s": window_s,
+        "all_started_before_window_by_s": round(lead_s, 2),
+    }
+    return [
+        _figure(f"timer_late_p{p}_ms", round(percentile(late, p), 2), None, **context)
+        for p in (50, 99, 100)
+    ]
+
+
+async def _start_bounded(d: Daemon, limit_s: float) -> float:
+    """Spawn the daemon and return the seconds until it answers ping."""
+    start = time.perf_counter()
+    proc = d.spawn()
+    with anyio.fail_after(limit_s):
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"workflowd exited {proc.returncode}:\n{d.output()[-2000:]}")
+            try:
+                async with connect(d.socket) as c:
+                    if (await c.request("ping"))["ok"]:
+                        return time.perf_counter() - start
+            except OSError:
+                pass
+            await anyio.sleep(0.01)
+
+
+async def memory(tmp: Path, n: int = MEMORY_WORKFLOWS) -> list[dict[str, Any]]:
+    """Hold `n` workflows each waiting on a timer a day away; return RSS and recovery time."""
+    async with bench_daemon(tmp) as d:
+        assert d.proc is not None
+        db = d.tmp / "wd.db"
+        await d.stop()
+        empty_start_s = await _start_bounded(d, 60)
+        idle_mb = rss_mb(d.proc.pid)
+        start = time.perf_counter()
+        await call_many(d.socket, _starts(n, time.time() + 86_400, 0.0), CONNECTIONS)
+        await until_count(db, _COUNT, ("Waiting",), n, limit_s=600, every_s=0.2)
+        start_rate = n / (time.perf_counter() - start)
+        loaded_mb = rss_mb(d.proc.pid)
+        await d.stop()
+        recovery_s = await _start_bounded(d, 600)
+        recovered_mb = rss_mb(d.proc.pid)
+        async with connect(d.socket) as c:
+            counts = (await c.call("ping"))["workflows"]
+        if counts != {"Waiting": n}:
+            raise AssertionError(f"after recovery: {counts}")
+    ctx = {"workflows": n}
+    return [
+        _figure("idle_rss_mb", round(idle_mb, 1), None, workflows=0),
+        _figure(
+            "waiting_rss_mb", round(loaded_mb, 1), TARGET_RSS_MB, how="started via socket", **ctx
+        ),
+        _figure(
+            "recovered_rss_mb", round(recovered_mb, 1), TARGET_RSS_MB, how="after restart", **ctx
+        ),
+        _figure("starts_per_s", round(start_rate), None, connections=CONNECTIONS, **ctx),
+        _figure("empty_start_to_ping_s", round(empty_start_s, 3), None, workflows=0),
+        _figure("recovery_to_ping_s", round(recovery_s, 3), None, **ctx),
+    ]
+
+
+async def run(
+    tmp: Path, timers: int = LATENESS_TIMERS, workflows: int = MEMORY_WORKFLOWS
+) -> list[dict[str, Any]]:
+    """Measure timer lateness, then memory and recovery time of many waiting workflows."""
+    return [*await lateness(tmp / "lateness", timers), *await memory(tmp / "memory", workflows)]

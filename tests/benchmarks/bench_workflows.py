@@ -1,0 +1,68 @@
+"""Workflows the daemon benchmarks run, in process and inside a real workflowd."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from daemon import For, On, S, Section, Step, Wait, Workflow
+from handlers import Signal, Timer
+
+
+@dataclass
+class SyncSteps(Workflow):
+    """Runs `n` trivial synchronous steps (each in a worker thread) in a loop."""
+
+    n: int = 10
+    i: int = 0
+
+    def inc(self) -> None:
+        self.i += 1
+
+    def definition(self) -> Section:
+        return S(For("loop", self.i < self.n, Step("inc", self.inc)))
+
+
+@dataclass
+class AsyncSteps(Workflow):
+    """Runs `n` trivial async steps (on the event loop) in a loop."""
+
+    n: int = 10
+    i: int = 0
+
+    async def inc(self) -> None:
+        self.i += 1
+
+    def definition(self) -> Section:
+        return S(For("loop", self.i < self.n, Step("inc", self.inc)))
+
+
+@dataclass
+class Pinged(Workflow):
+    """Waits for a "ping" signal forever; each one is one durable callback."""
+
+    count: int = 0
+
+    def ping(self, value: int | None = None) -> int:
+        self.count += 1
+        return self.count
+
+    def definition(self) -> Section:
+        return S(For("loop", True, Wait("wait", On("ping", Signal(self.ping)))))
+
+
+@dataclass
+class Alarm(Workflow):
+    """Waits for a timer due `at` (epoch seconds), then records how late the next step ran."""
+
+    at: float = 0.0
+    late_s: float = -1.0
+
+    def measure(self) -> None:
+        self.late_s = time.time() - self.at
+
+    def definition(self) -> Section:
+        return S(
+            Wait("sleep", On("ring", Timer(at=self.at))),
+            Step("measure", self.measure),
+        )

@@ -1,0 +1,73 @@
+"""Smoke tests: every daemon benchmark runs at a tiny size and returns well-formed figures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tests.benchmarks import bench_control, bench_runtime, bench_timers
+from tests.benchmarks.run import BENCHMARKS, normalize
+
+
+def _check(entry: str, figures: list[dict[str, Any]], metrics: set[str]) -> None:
+    rows = normalize(entry, figures)
+    assert {r["metric"] for r in rows} == metrics
+    for row in rows:
+        assert isinstance(row["value"], int | float) and row["value"] >= 0, row
+
+
+class TestRegistry:
+    """The runner knows the daemon benchmarks."""
+
+    def test_registered(self) -> None:
+        """Each daemon benchmark has an entry in the runner's registry."""
+        assert {"bench_runtime", "bench_control", "bench_timers"} <= set(BENCHMARKS)
+
+
+class TestRuntimeBench:
+    """bench_runtime at a tiny size."""
+
+    async def test_in_process_and_daemon(self, tmp_path: Path) -> None:
+        """Both modes report sync and async steps/s for both shapes."""
+        shapes = {"one_workflow": (1, 5, 1.0), "many_workflows": (3, 2, 1.0)}
+        figures = await bench_runtime.run(tmp_path, shapes=shapes, repeats=1)
+        _check(
+            "bench_runtime",
+            figures,
+            {f"{s}_{k}_steps_per_s" for s in shapes for k in ("sync", "async")},
+        )
+        assert {f["mode"] for f in figures} == {"in_process", "workflowd"}
+
+
+class TestControlBench:
+    """bench_control at a tiny size."""
+
+    async def test_round_trips(self, tmp_path: Path) -> None:
+        """Round-trip percentiles and callbacks/s come out for each client count."""
+        figures = await bench_control.run(tmp_path, rounds={1: 5, 2: 3}, warmup=2)
+        metrics = {
+            f"{m}_{c}_clients_{u}"
+            for c in (1, 2)
+            for m, u in (("send_p50", "ms"), ("send_p99", "ms"), ("callbacks", "per_s"))
+        }
+        _check("bench_control", figures, metrics)
+
+
+class TestTimersBench:
+    """bench_timers at a tiny size."""
+
+    async def test_lateness(self, tmp_path: Path) -> None:
+        """Every timer fires and its lateness is reported."""
+        figures = await bench_timers.lateness(tmp_path, n=5, window_s=0.2, min_lead_s=0.5)
+        _check("bench_timers", figures, {"timer_late_p50_ms", "timer_late_p99_ms",
+                                          "timer_late_p100_ms"})  # fmt: skip
+
+    async def test_memory_and_recovery(self, tmp_path: Path) -> None:
+        """Memory and recovery time of waiting workflows are reported after a restart."""
+        figures = await bench_timers.memory(tmp_path, n=20)
+        _check(
+            "bench_timers",
+            figures,
+            {"idle_rss_mb", "waiting_rss_mb", "recovered_rss_mb", "starts_per_s",
+             "empty_start_to_ping_s", "recovery_to_ping_s"},
+        )  # fmt: skip
