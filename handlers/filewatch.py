@@ -8,15 +8,17 @@ like systemd's .path units.
 - `exists`, `nonempty` are levels: checked as soon as the watch is armed (so
   they fire at once when already true, also after a restart) and after every
   batch of changes. Only `exists` takes a glob, in the last path component.
-- `created`, `deleted` fire on that change for the exact path; `modified` fires
-  when a change is reported for the path and the file differs (inode, size or
-  mtime) from the one seen at setup: a write, a replace by rename, or a
-  creation; chmod alone does not fire. setup records that identity, so an edge
-  that happened before listen started, or while the daemon was down, still
-  fires when listen starts.
-- inotify through watchfiles reports writes, not "write closed": `modified`
-  fires after the first burst of writes (debounced ~50 ms). Writers that need
-  the watcher to see a complete file should write a temp file and rename it.
+- `created`, `deleted`, `modified` are edges, fired by that change for the
+  exact path. `modified` is any write, a replace by rename, or a metadata
+  change (chmod, touch): watchfiles does not tell them apart, and it reports
+  writes, not "write closed", so it fires after the first burst of writes
+  (debounced ~50 ms). Writers that need the watcher to see a complete file
+  should write a temp file and rename it into place.
+- setup records the file's identity (inode, size, mtime), so an edge that
+  happened before listen started, or while the daemon was down, still fires
+  when listen starts (`modified`: the file differs from the one at setup).
+- Each pending listen holds two threads: the inotify reader and a worker that
+  waits for batches (it wakes every STEP_MS to see whether it was cancelled).
 
 The input delivered is `{"path": matched path, "change": on}`.
 """
@@ -66,8 +68,7 @@ class FileWatch:
 
     async def setup(self, req: CallbackRequest) -> str:
         """Store the absolute path, the condition and the file's current identity."""
-        path = _absolute(self.path)
-        return msgspec.json.encode(_Spec(path, self.on, _identity(path))).decode()
+        return msgspec.json.encode(_spec(self.path, self.on)).decode()
 
     async def listen(self, req: CallbackRequest, deliver: Deliver) -> None:
         """Wait for the condition, then deliver it; cancelling closes the watch."""
@@ -82,8 +83,10 @@ class FileWatch:
         """Do nothing: the watch lives only inside `listen`."""
 
 
-def _absolute(path: str) -> str:
-    return os.path.abspath(path)
+def _spec(path: str, on: str) -> _Spec:
+    """Return what setup stores: the absolute path, the condition and the file's identity."""
+    path = os.path.abspath(path)
+    return _Spec(path, on, _identity(path))
 
 
 def _identity(path: str) -> list[int] | None:
@@ -138,7 +141,7 @@ def _on_changes(spec: _Spec, changes: _Changes) -> str | None:
     fired = {
         "created": Change.added in kinds,
         "deleted": Change.deleted in kinds,
-        "modified": bool(kinds) and _on_arm(spec) is not None,
+        "modified": bool(kinds - {Change.deleted}) and os.path.exists(spec.path),
     }[spec.on]
     return spec.path if fired else None
 

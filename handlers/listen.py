@@ -60,8 +60,7 @@ class SocketListen:
         if self.path is None:
             return msgspec.json.encode(_Address(host=self.host, port=self.port)).decode()
         path = _check_path(self.path)
-        if await _is_live(path):
-            raise OSError(errno.EADDRINUSE, "another process listens on this socket", path)
+        await _refuse_live(path)
         return msgspec.json.encode(_Address(path=path)).decode()
 
     async def listen(self, req: CallbackRequest, deliver: Deliver) -> None:
@@ -179,13 +178,18 @@ async def _is_live(path: str) -> bool:
     return True
 
 
+async def _refuse_live(path: str) -> None:
+    """Raise EADDRINUSE if another process listens on the Unix socket at `path`."""
+    if await _is_live(path):
+        raise OSError(errno.EADDRINUSE, "another process listens on this socket", path)
+
+
 async def _bind(addr: _Address) -> tuple[Listener[SocketStream], int | None]:
     """Bind the listener; for a Unix socket, also return the inode of its file."""
     if addr.path is None:
         tcp = await anyio.create_tcp_listener(local_host=addr.host, local_port=addr.port or 0)
         return tcp, None
-    if await _is_live(addr.path):  # anyio removes any socket file it finds: never steal one
-        raise OSError(errno.EADDRINUSE, "another process listens on this socket", addr.path)
+    await _refuse_live(addr.path)  # anyio removes any socket file it finds: never steal one
     unix = await anyio.create_unix_listener(addr.path, mode=0o660)
     return unix, os.stat(addr.path).st_ino
 

@@ -128,24 +128,32 @@ class TestFire:
         got = await fire(handler, req, lambda: target.write_text("new content"))
         assert got == {"path": str(target), "change": "modified"}
 
-    async def test_chmod_is_not_modified(self, tmp_path: Path) -> None:
-        """A metadata-only change does not fire `modified`; a later write does."""
-        target = tmp_path / "f.txt"
+    async def test_replace_is_modified(self, tmp_path: Path) -> None:
+        """Renaming a new version over the file fires `modified`."""
+        target, new = tmp_path / "f.txt", tmp_path / "f.tmp"
         target.write_text("old")
         handler = FileWatch(target, on="modified")
         req = await setup(handler)
-        inbox = Inbox()
-        base = inotify_fds()
-        with anyio.fail_after(10):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(handler.listen, req, inbox)
-                await until(lambda: inotify_fds() > base)
-                target.chmod(0o600)
-                await anyio.sleep(0.2)  # give a wrong firing the chance to happen
-                assert inbox.inputs == []
-                target.write_text("new content")
-                await inbox.event.wait()
-        await until(lambda: inotify_fds() <= base)
+
+        def act() -> None:
+            new.write_text("new")
+            new.rename(target)
+
+        assert (await fire(handler, req, act))["path"] == str(target)
+
+    async def test_same_size_write_is_modified(self, tmp_path: Path) -> None:
+        """A write that keeps the size fires `modified`, even within one timestamp tick."""
+        target = tmp_path / "f.txt"
+        target.write_text("aaaa")
+        handler = FileWatch(target, on="modified")
+        req = await setup(handler)
+        stat = target.stat()
+
+        def act() -> None:
+            target.write_text("bbbb")
+            os.utime(target, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # as if in the same tick
+
+        assert (await fire(handler, req, act))["path"] == str(target)
 
     async def test_deleted(self, tmp_path: Path) -> None:
         """Removing the file fires `deleted`."""
