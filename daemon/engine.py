@@ -22,6 +22,9 @@ from .state import (
     ARMED,
     FINAL_STATUSES,
     MAIN_THREAD,
+    RUNNABLE,
+    SETUP_DUE,
+    TEARDOWN_DUE,
     CheckpointType,
     EventStatus,
     State,
@@ -48,12 +51,16 @@ from .statements import (
     truth,
 )
 
+# Python 3.11 reads every attribute of an Enum class through EnumType.__getattr__ (~0.1 µs),
+# so the code run on every transition uses these module-level names.
+_EXECUTING, _RESUMING = ThreadStatus.EXECUTING, ThreadStatus.RESUMING
+_AFTER_STEP, _AFTER_RESUME = CheckpointType.AFTER_STEP, CheckpointType.AFTER_RESUME
+
 #: Transitions one `resume` may make before the workflow is declared a runaway.
 MAX_TRANSITIONS = 10_000
 
 
 Checkpoint = Callable[[CheckpointType], Awaitable[None]]
-_F = TypeVar("_F")
 StepRunner = Callable[[Step], Awaitable[None]]
 
 
@@ -109,44 +116,76 @@ class Definition:
         self._names.add(name)
 
     def _index(self, stmt: Stmt, in_loop: bool) -> None:
-        claim = self._claim
-        match stmt:
-            case Section(stmts=stmts):
-                for s in stmts:
-                    self._index(s, in_loop)
-            case Step(name=name):
-                claim(name, "step")
-                self.steps[name] = stmt
-            case _Branching(branches=branches):
-                for b in branches:
-                    claim(b.name, "branch")
-                    self._index(b.body, in_loop)
-            case For(name=name, body=body):
-                claim(name, "for")
-                self._index(body, in_loop=True)
-            case Wait(name=name, cases=cases):
-                claim(name, "wait")
-                if not cases:
-                    raise ValidationError(f"wait {name!r} has no cases")
-                self.waits[name] = stmt
-                for c in cases:
-                    claim(c.event, "event")
-                    self.events[c.event] = c
-                    self._index(c.body, in_loop)
-            case WaitFor(name=name):
-                claim(name, "wait_for")
-                self.wait_fors[name] = stmt
-            case Go(name=name, body=body):
-                claim(name, "go")
-                self.gos[name] = stmt
-                self._index(body, in_loop=False)
-            case Break() | Continue():
-                if not in_loop:
-                    raise ValidationError(f"{type(stmt).__name__}() outside a For")
-            case Return():
-                pass
-            case _:
-                raise UnknownStatement(f"not a statement: {stmt!r}")
+        (_INDEX.get(type(stmt)) or _learn(_INDEX, stmt))(self, stmt, in_loop)
+
+    def _section(self, stmt: Section, in_loop: bool) -> None:
+        for s in stmt.stmts:
+            (_INDEX.get(type(s)) or _learn(_INDEX, s))(self, s, in_loop)
+
+    def _step(self, stmt: Step, in_loop: bool) -> None:
+        self._claim(stmt.name, "step")
+        self.steps[stmt.name] = stmt
+
+    def _branching(self, stmt: _Branching, in_loop: bool) -> None:
+        for b in stmt.branches:
+            self._claim(b.name, "branch")
+            self._section(b.body, in_loop)
+
+    def _for(self, stmt: For, in_loop: bool) -> None:
+        self._claim(stmt.name, "for")
+        self._section(stmt.body, True)
+
+    def _wait(self, stmt: Wait, in_loop: bool) -> None:
+        self._claim(stmt.name, "wait")
+        if not stmt.cases:
+            raise ValidationError(f"wait {stmt.name!r} has no cases")
+        self.waits[stmt.name] = stmt
+        for c in stmt.cases:
+            if not isinstance(c, On):
+                raise ValidationError(f"wait {stmt.name!r}: cases must be On(...), got {c!r}")
+            self._claim(c.event, "event")
+            self.events[c.event] = c
+            self._section(c.body, in_loop)
+
+    def _wait_for(self, stmt: WaitFor, in_loop: bool) -> None:
+        self._claim(stmt.name, "wait_for")
+        self.wait_fors[stmt.name] = stmt
+
+    def _go(self, stmt: Go, in_loop: bool) -> None:
+        self._claim(stmt.name, "go")
+        self.gos[stmt.name] = stmt
+        self._section(stmt.body, False)
+
+    def _jump(self, stmt: Stmt, in_loop: bool) -> None:
+        if not in_loop and not isinstance(stmt, Return):
+            raise ValidationError(f"{type(stmt).__name__}() outside a For")
+
+
+# A dict from statement type to method: cheaper than `match` on class patterns.
+_INDEX: dict[type[Stmt], Callable[[Definition, Any, bool], None]] = {
+    Section: Definition._section,
+    Step: Definition._step,
+    _Branching: Definition._branching,
+    If: Definition._branching,
+    Switch: Definition._branching,
+    For: Definition._for,
+    Wait: Definition._wait,
+    WaitFor: Definition._wait_for,
+    Go: Definition._go,
+    Break: Definition._jump,
+    Continue: Definition._jump,
+    Return: Definition._jump,
+}
+_F = TypeVar("_F")
+
+
+def _learn(table: dict[type[Stmt], _F], stmt: Stmt) -> _F:
+    """Return the entry for a subclass of a known statement, and remember it."""
+    for base in type(stmt).__mro__:
+        if base in table:
+            table[type(stmt)] = table[base]
+            return table[base]
+    raise UnknownStatement(f"not a statement: {stmt!r}")
 
 
 def validate(section: Section) -> None:
@@ -170,11 +209,11 @@ class _Cursor:
         self.running = thread.cur_step == ""
 
     def run(self, stmt: Stmt) -> _Stop:
-        return _dispatch(_RUN, stmt)(self, stmt)
+        return (_RUN.get(type(stmt)) or _learn(_RUN, stmt))(self, stmt)
 
-    def _section(self, stmt: Section) -> _Stop:
+    def section(self, stmt: Section) -> _Stop:
         for s in stmt.stmts:
-            stop = _dispatch(_RUN, s)(self, s)
+            stop = (_RUN.get(type(s)) or _learn(_RUN, s))(self, s)
             if stop is not None:
                 return stop
         return None
@@ -193,13 +232,13 @@ class _Cursor:
         if self.running:
             for b in stmt.branches:
                 if b.default or truth(b.cond):
-                    return self.run(b.body)
+                    return self.section(b.body)
             return None
         for b in stmt.branches:
             if self.thread.cur_step == b.name:
                 self.running = True
-                return self.run(b.body)
-            stop = self.run(b.body)
+                return self.section(b.body)
+            stop = self.section(b.body)
             if stop is not None or self.running:
                 return stop
         return None
@@ -209,7 +248,7 @@ class _Cursor:
             if self.thread.cur_step == stmt.name:
                 self.running = True
             else:
-                stop = self.run(stmt.body)
+                stop = self.section(stmt.body)
                 if not self.running:
                     return None
                 if stop is _BREAK:
@@ -218,7 +257,7 @@ class _Cursor:
                     return stop
         while truth(stmt.cond):
             self.resumer.tick(self.thread)
-            stop = self.run(stmt.body)
+            stop = self.section(stmt.body)
             if stop is _BREAK:
                 return None
             if stop is not None and stop is not _CONTINUE:
@@ -239,9 +278,9 @@ class _Cursor:
                     f"thread {t.id}: wait {stmt.name!r} has no case {t.cur_callback!r} any more"
                 )
             t.cur_callback = ""
-            return self.run(case.body)
+            return self.section(case.body)
         for c in stmt.cases:
-            stop = self.run(c.body)
+            stop = self.section(c.body)
             if stop is not None or self.running:
                 return stop
         return None
@@ -257,9 +296,8 @@ class _Cursor:
 
 
 _JUMPS: dict[type[Stmt], object] = {Break: _BREAK, Continue: _CONTINUE, Return: _RETURN}
-# A dict from statement type to method: cheaper than `match` on class patterns on this hot path.
 _RUN: dict[type[Stmt], Callable[[_Cursor, Any], _Stop]] = {
-    Section: _Cursor._section,
+    Section: _Cursor.section,
     _Branching: _Cursor._branch,
     Step: _Cursor._leaf,
     WaitFor: _Cursor._leaf,
@@ -272,19 +310,6 @@ _RUN: dict[type[Stmt], Callable[[_Cursor, Any], _Stop]] = {
     Continue: _Cursor._jump,
     Return: _Cursor._jump,
 }
-
-
-def _dispatch(table: dict[type[Stmt], _F], stmt: Stmt) -> _F:
-    """Return the entry for `stmt`'s type, learning subclasses of known statements."""
-    try:
-        return table[type(stmt)]
-    except KeyError:
-        pass
-    for base in type(stmt).__mro__:
-        if base in table:
-            table[type(stmt)] = table[base]
-            return table[base]
-    raise UnknownStatement(f"not a statement: {stmt!r}")
 
 
 class _Resumer:
@@ -325,7 +350,7 @@ class _Resumer:
 
     def runnable(self) -> Thread | None:
         for t in self.state.threads:
-            if t.status is ThreadStatus.EXECUTING or t.status is ThreadStatus.RESUMING:
+            if t.status in RUNNABLE:
                 return t
         return None
 
@@ -337,11 +362,11 @@ class _Resumer:
             await self.run_step(step)
         except Exception as e:
             raise StepFailed(step.name, e) from e
-        t.status = ThreadStatus.RESUMING
+        t.status = _RESUMING
         t.pc += 1
         self.state.pc += 1
         self.rebuild()
-        await self.checkpoint(CheckpointType.AFTER_STEP)
+        await self.checkpoint(_AFTER_STEP)
 
     async def advance(self, t: Thread) -> None:
         s = self.state
@@ -360,7 +385,7 @@ class _Resumer:
         if stop is None or stop is _RETURN:
             self.end_thread(t)
         elif isinstance(stop, Step):
-            t.cur_step, t.status = stop.name, ThreadStatus.EXECUTING
+            t.cur_step, t.status = stop.name, _EXECUTING
             self.ready[t.id] = stop
         elif isinstance(stop, WaitFor):
             t.cur_step, t.status = stop.name, ThreadStatus.WAITING_CONDITION
@@ -372,7 +397,7 @@ class _Resumer:
                 self.cases[c.event] = c
         else:  # Break/Continue escaped every For: validate() rules this out
             raise ValidationError(f"thread {t.id}: Break/Continue outside a For")
-        await self.checkpoint(CheckpointType.AFTER_RESUME)
+        await self.checkpoint(_AFTER_RESUME)
 
     def end_thread(self, t: Thread) -> None:
         s = self.state
@@ -409,7 +434,7 @@ class _Resumer:
     async def teardown(self) -> None:
         for t in self.state.threads:
             for ev in list(t.wait_events):
-                if ev.status not in (EventStatus.PENDING_TEARDOWN, EventStatus.TEARDOWN_ERROR):
+                if ev.status not in TEARDOWN_DUE:
                     continue
                 try:
                     await self.handler(ev).teardown(ev.req, ev.handled)
@@ -423,7 +448,7 @@ class _Resumer:
     async def setup(self) -> None:
         for t in self.state.threads:
             for ev in t.wait_events:
-                if ev.status not in (EventStatus.PENDING_SETUP, EventStatus.SETUP_ERROR):
+                if ev.status not in SETUP_DUE:
                     continue
                 try:
                     data = await self.handler(ev).setup(ev.req)
@@ -467,7 +492,7 @@ async def resume(
         t = r.runnable()
         if t is not None:
             r.tick(t)
-            if t.status is ThreadStatus.EXECUTING:
+            if t.status is _EXECUTING:
                 await r.execute(t)
             else:
                 await r.advance(t)

@@ -69,6 +69,12 @@ FINAL_STATUSES = frozenset(
     {WorkflowStatus.FINISHED, WorkflowStatus.FAILED, WorkflowStatus.CANCELLED}
 )
 ARMED = (EventStatus.SETUP, EventStatus.PENDING_SETUP)
+#: Thread statuses that can make progress.
+RUNNABLE = (ThreadStatus.EXECUTING, ThreadStatus.RESUMING)
+#: Event statuses whose handler's setup is due (again).
+SETUP_DUE = (EventStatus.PENDING_SETUP, EventStatus.SETUP_ERROR)
+#: Event statuses whose handler's teardown is due (again).
+TEARDOWN_DUE = (EventStatus.PENDING_TEARDOWN, EventStatus.TEARDOWN_ERROR)
 
 
 @dataclass(slots=True)
@@ -127,8 +133,7 @@ class State:
         """Derive RESUMING/WAITING from the threads (final statuses are kept)."""
         if self.status in FINAL_STATUSES:
             return
-        runnable = (ThreadStatus.RESUMING, ThreadStatus.EXECUTING)
-        busy = any(t.status in runnable for t in self.threads)
+        busy = any(t.status in RUNNABLE for t in self.threads)
         self.status = WorkflowStatus.RESUMING if busy else WorkflowStatus.WAITING
 
 
