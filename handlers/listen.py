@@ -25,6 +25,7 @@ from daemon.errors import BadRequest, StaleCallback, WorkflowError
 from daemon.handler import CallbackRequest, Deliver
 
 MAX_LINE = 1 << 20
+HANDOVER_S = 1.0
 _MAX_UNIX_PATH = 108
 
 
@@ -56,12 +57,11 @@ class SocketListen:
         self.port, self.host, self.timeout = port, host, timeout
 
     async def setup(self, req: CallbackRequest) -> str:
-        """Check the address can be bound and store it (a Unix path made absolute)."""
+        """Check the address and store it (a Unix path made absolute)."""
         if self.path is None:
             return msgspec.json.encode(_Address(host=self.host, port=self.port)).decode()
-        path = _check_path(self.path)
-        await _refuse_live(path)
-        return msgspec.json.encode(_Address(path=path)).decode()
+        # No liveness check here: the previous wait on this path may still be answering.
+        return msgspec.json.encode(_Address(path=_check_path(self.path))).decode()
 
     async def listen(self, req: CallbackRequest, deliver: Deliver) -> None:
         """Serve clients until one message is delivered and answered, then close the listener."""
@@ -79,14 +79,16 @@ class SocketListen:
                     fired.set()
 
         listener, inode = await _bind(addr)
-        try:
-            async with listener, anyio.create_task_group() as tg:
-                tg.start_soon(listener.serve, client, tg)
-                await fired.wait()
-                tg.cancel_scope.cancel()
-        finally:
-            if addr.path is not None:
-                _unlink(addr.path, inode)
+        async with listener:
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(listener.serve, client, tg)
+                    await fired.wait()
+                    tg.cancel_scope.cancel()
+            finally:
+                # Unlink while still listening: until then nobody else may bind this path.
+                if addr.path is not None:
+                    _unlink(addr.path, inode)
         if failure:
             raise failure[0]
 
@@ -178,18 +180,20 @@ async def _is_live(path: str) -> bool:
     return True
 
 
-async def _refuse_live(path: str) -> None:
-    """Raise EADDRINUSE if another process listens on the Unix socket at `path`."""
-    if await _is_live(path):
-        raise OSError(errno.EADDRINUSE, "another process listens on this socket", path)
-
-
 async def _bind(addr: _Address) -> tuple[Listener[SocketStream], int | None]:
     """Bind the listener; for a Unix socket, also return the inode of its file."""
     if addr.path is None:
+        # anyio sets SO_REUSEADDR, so a restart rebinds at once.
         tcp = await anyio.create_tcp_listener(local_host=addr.host, local_port=addr.port or 0)
         return tcp, None
-    await _refuse_live(addr.path)  # anyio removes any socket file it finds: never steal one
+    # anyio removes any socket file it finds: never steal a live one, but give the
+    # previous wait on this path a moment to finish answering its client.
+    live = True
+    with anyio.move_on_after(HANDOVER_S):
+        while live := await _is_live(addr.path):  # noqa: ASYNC110 - a socket has no event to wait on
+            await anyio.sleep(0.02)
+    if live:
+        raise OSError(errno.EADDRINUSE, "another process listens on this socket", addr.path)
     unix = await anyio.create_unix_listener(addr.path, mode=0o660)
     return unix, os.stat(addr.path).st_ino
 

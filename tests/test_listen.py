@@ -256,21 +256,51 @@ class TestTeardown:
         await SocketListen(path=path).teardown(req, False)
         assert not path.exists()
 
-    async def test_never_steals_a_live_socket(self, tmp_path: Path) -> None:
-        """A socket someone listens on is refused by setup and listen, and kept by teardown."""
+    async def test_never_steals_a_live_socket(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A socket someone else listens on is refused by listen and kept by teardown."""
+        monkeypatch.setattr("handlers.listen.HANDOVER_S", 0.1)
         path = tmp_path / "s"
         req = await setup(SocketListen(path=path))
         async with await anyio.create_unix_listener(path):
             with pytest.raises(OSError) as info:
-                await setup(SocketListen(path=path))
-            assert info.value.errno == errno.EADDRINUSE
-            with pytest.raises(OSError):
                 await SocketListen(path=path).listen(req, Inbox())
+            assert info.value.errno == errno.EADDRINUSE
             await SocketListen(path=path).teardown(req, False)
             assert path.exists()
 
 
 class TestRestart:
+    async def test_handover_to_the_next_wait(self, tmp_path: Path) -> None:
+        """The next wait on the same path binds once the previous one has answered its client."""
+        path = tmp_path / "s"
+        gate = anyio.Event()
+
+        async def slow(input: Any) -> Any:
+            await gate.wait()
+            return "first"
+
+        first, second = SocketListen(path=path), SocketListen(path=path)
+        req1, req2 = await setup(first), await setup(second)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                first_done = anyio.Event()
+
+                async def run_first() -> None:
+                    await first.listen(req1, slow)
+                    first_done.set()
+
+                tg.start_soon(run_first)
+                async with await connect(path) as client:
+                    await client.send(b"1\n")
+                    tg.start_soon(second.listen, req2, Inbox())  # while the first still listens
+                    gate.set()
+                    assert await read_reply(client) == {"ok": True, "result": "first"}
+                await first_done.wait()
+                assert await ask(path, b"2\n") == {"ok": True, "result": {"echo": 2}}
+        assert not path.exists()
+
     async def test_listen_again_from_setup_data(self, tmp_path: Path) -> None:
         """After a crash leaves the socket file, listen re-opens it from the stored setup data."""
         path = tmp_path / "s"
