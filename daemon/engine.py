@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from .errors import (
     CallbackNotFound,
@@ -13,7 +13,6 @@ from .errors import (
     StaleCallback,
     StepFailed,
     StepNotFound,
-    UnknownStatement,
     ValidationError,
     WorkflowError,
 )
@@ -48,8 +47,13 @@ from .statements import (
     Wait,
     WaitFor,
     _Branching,
+    dispatch_entry,
     truth,
 )
+
+# Explicit re-exports (mypy's idiom): daemon.engine.Definition and .validate stay importable.
+from .statements import Definition as Definition  # noqa: PLC0414
+from .statements import validate as validate  # noqa: PLC0414
 
 # Python 3.11 reads every attribute of an Enum class through EnumType.__getattr__ (~0.1 µs),
 # so the code run on every transition uses these module-level names.
@@ -92,107 +96,6 @@ async def _run_step(step: Step) -> None:
     await call_action(step.action)
 
 
-class Definition:
-    """A validated definition with its statements indexed by name."""
-
-    __slots__ = ("_names", "events", "gos", "root", "steps", "wait_fors", "waits")
-
-    def __init__(self, root: Section) -> None:
-        self.root = root
-        self.steps: dict[str, Step] = {}
-        self.waits: dict[str, Wait] = {}
-        self.wait_fors: dict[str, WaitFor] = {}
-        self.gos: dict[str, Go] = {}
-        self.events: dict[str, On] = {}
-        # Every name claimed so far: names are unique within a definition.
-        self._names: set[str] = set()
-        self._index(root, in_loop=False)
-
-    def _claim(self, name: str, what: str) -> None:
-        if not isinstance(name, str) or not name:
-            raise ValidationError(f"{what} needs a non-empty string name, got {name!r}")
-        if name in self._names:
-            raise ValidationError(f"duplicate name {name!r} ({what})")
-        self._names.add(name)
-
-    def _index(self, stmt: Stmt, in_loop: bool) -> None:
-        (_INDEX.get(type(stmt)) or _learn(_INDEX, stmt))(self, stmt, in_loop)
-
-    def _section(self, stmt: Section, in_loop: bool) -> None:
-        for s in stmt.stmts:
-            (_INDEX.get(type(s)) or _learn(_INDEX, s))(self, s, in_loop)
-
-    def _step(self, stmt: Step, in_loop: bool) -> None:
-        self._claim(stmt.name, "step")
-        self.steps[stmt.name] = stmt
-
-    def _branching(self, stmt: _Branching, in_loop: bool) -> None:
-        for b in stmt.branches:
-            self._claim(b.name, "branch")
-            self._section(b.body, in_loop)
-
-    def _for(self, stmt: For, in_loop: bool) -> None:
-        self._claim(stmt.name, "for")
-        self._section(stmt.body, True)
-
-    def _wait(self, stmt: Wait, in_loop: bool) -> None:
-        self._claim(stmt.name, "wait")
-        if not stmt.cases:
-            raise ValidationError(f"wait {stmt.name!r} has no cases")
-        self.waits[stmt.name] = stmt
-        for c in stmt.cases:
-            if not isinstance(c, On):
-                raise ValidationError(f"wait {stmt.name!r}: cases must be On(...), got {c!r}")
-            self._claim(c.event, "event")
-            self.events[c.event] = c
-            self._section(c.body, in_loop)
-
-    def _wait_for(self, stmt: WaitFor, in_loop: bool) -> None:
-        self._claim(stmt.name, "wait_for")
-        self.wait_fors[stmt.name] = stmt
-
-    def _go(self, stmt: Go, in_loop: bool) -> None:
-        self._claim(stmt.name, "go")
-        self.gos[stmt.name] = stmt
-        self._section(stmt.body, False)
-
-    def _jump(self, stmt: Stmt, in_loop: bool) -> None:
-        if not in_loop and not isinstance(stmt, Return):
-            raise ValidationError(f"{type(stmt).__name__}() outside a For")
-
-
-# A dict from statement type to method: cheaper than `match` on class patterns.
-_INDEX: dict[type[Stmt], Callable[[Definition, Any, bool], None]] = {
-    Section: Definition._section,
-    Step: Definition._step,
-    _Branching: Definition._branching,
-    If: Definition._branching,
-    Switch: Definition._branching,
-    For: Definition._for,
-    Wait: Definition._wait,
-    WaitFor: Definition._wait_for,
-    Go: Definition._go,
-    Break: Definition._jump,
-    Continue: Definition._jump,
-    Return: Definition._jump,
-}
-_F = TypeVar("_F")
-
-
-def _learn(table: dict[type[Stmt], _F], stmt: Stmt) -> _F:
-    """Return the entry for a subclass of a known statement, and remember it."""
-    for base in type(stmt).__mro__:
-        if base in table:
-            table[type(stmt)] = table[base]
-            return table[base]
-    raise UnknownStatement(f"not a statement: {stmt!r}")
-
-
-def validate(section: Section) -> None:
-    """Raise ValidationError if the definition is not well formed (e.g. duplicate names)."""
-    Definition(section)
-
-
 _BREAK, _CONTINUE, _RETURN = object(), object(), object()
 #: What running a statement may stop at: a Step to run, a Wait or WaitFor to block on,
 #: one of the sentinels above, or None (go on).
@@ -209,11 +112,11 @@ class _Cursor:
         self.running = thread.cur_step == ""
 
     def run(self, stmt: Stmt) -> _Stop:
-        return (_RUN.get(type(stmt)) or _learn(_RUN, stmt))(self, stmt)
+        return (_RUN.get(type(stmt)) or dispatch_entry(_RUN, stmt))(self, stmt)
 
     def section(self, stmt: Section) -> _Stop:
         for s in stmt.stmts:
-            stop = (_RUN.get(type(s)) or _learn(_RUN, s))(self, s)
+            stop = (_RUN.get(type(s)) or dispatch_entry(_RUN, s))(self, s)
             if stop is not None:
                 return stop
         return None

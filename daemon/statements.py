@@ -1,15 +1,17 @@
-"""The workflow DSL: the statements a `definition()` returns, and how to walk them."""
+"""The workflow DSL: the statements a `definition()` returns; walking, indexing, validating."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from .errors import UnknownStatement, ValidationError
 from .handler import Handler
 
 #: A condition is a plain value evaluated when the definition is built, or a callable.
 Cond = bool | object | Callable[[], object]
+_F = TypeVar("_F")
 #: A step's action: sync or async, no arguments.
 Action = Callable[[], object] | Callable[[], Awaitable[object]]
 
@@ -276,3 +278,106 @@ def definition_to_dict(stmt: Stmt) -> dict[str, Any]:
         case Return():
             return {"type": "return"}
     return {"type": type(stmt).__name__}
+
+
+class Definition:
+    """A validated definition with its statements indexed by name."""
+
+    __slots__ = ("_names", "events", "gos", "root", "steps", "wait_fors", "waits")
+
+    def __init__(self, root: Section) -> None:
+        self.root = root
+        self.steps: dict[str, Step] = {}
+        self.waits: dict[str, Wait] = {}
+        self.wait_fors: dict[str, WaitFor] = {}
+        self.gos: dict[str, Go] = {}
+        self.events: dict[str, On] = {}
+        # Every name claimed so far: names are unique within a definition.
+        self._names: set[str] = set()
+        self._index(root, in_loop=False)
+
+    def _claim(self, name: str, what: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValidationError(f"{what} needs a non-empty string name, got {name!r}")
+        if name in self._names:
+            raise ValidationError(f"duplicate name {name!r} ({what})")
+        self._names.add(name)
+
+    def _index(self, stmt: Stmt, in_loop: bool) -> None:
+        (_INDEX.get(type(stmt)) or dispatch_entry(_INDEX, stmt))(self, stmt, in_loop)
+
+    def _section(self, stmt: Section, in_loop: bool) -> None:
+        for s in stmt.stmts:
+            (_INDEX.get(type(s)) or dispatch_entry(_INDEX, s))(self, s, in_loop)
+
+    def _step(self, stmt: Step, in_loop: bool) -> None:
+        self._claim(stmt.name, "step")
+        self.steps[stmt.name] = stmt
+
+    def _branching(self, stmt: _Branching, in_loop: bool) -> None:
+        for b in stmt.branches:
+            self._claim(b.name, "branch")
+            self._section(b.body, in_loop)
+
+    def _for(self, stmt: For, in_loop: bool) -> None:
+        self._claim(stmt.name, "for")
+        self._section(stmt.body, True)
+
+    def _wait(self, stmt: Wait, in_loop: bool) -> None:
+        self._claim(stmt.name, "wait")
+        if not stmt.cases:
+            raise ValidationError(f"wait {stmt.name!r} has no cases")
+        self.waits[stmt.name] = stmt
+        for c in stmt.cases:
+            if not isinstance(c, On):
+                raise ValidationError(f"wait {stmt.name!r}: cases must be On(...), got {c!r}")
+            self._claim(c.event, "event")
+            self.events[c.event] = c
+            self._section(c.body, in_loop)
+
+    def _wait_for(self, stmt: WaitFor, in_loop: bool) -> None:
+        self._claim(stmt.name, "wait_for")
+        self.wait_fors[stmt.name] = stmt
+
+    def _go(self, stmt: Go, in_loop: bool) -> None:
+        self._claim(stmt.name, "go")
+        self.gos[stmt.name] = stmt
+        self._section(stmt.body, False)
+
+    def _jump(self, stmt: Break | Continue, in_loop: bool) -> None:
+        if not in_loop:
+            raise ValidationError(f"{type(stmt).__name__}() outside a For")
+
+    def _return(self, stmt: Return, in_loop: bool) -> None:
+        pass  # Return may end a thread anywhere.
+
+
+# A dict from statement type to method: cheaper than `match` on class patterns.
+_INDEX: dict[type[Stmt], Callable[[Definition, Any, bool], None]] = {
+    Section: Definition._section,
+    Step: Definition._step,
+    _Branching: Definition._branching,
+    If: Definition._branching,
+    Switch: Definition._branching,
+    For: Definition._for,
+    Wait: Definition._wait,
+    WaitFor: Definition._wait_for,
+    Go: Definition._go,
+    Break: Definition._jump,
+    Continue: Definition._jump,
+    Return: Definition._return,
+}
+
+
+def dispatch_entry(table: dict[type[Stmt], _F], stmt: Stmt) -> _F:
+    """Return `table`'s entry for a subclass of a known statement type, and remember it."""
+    for base in type(stmt).__mro__:
+        if base in table:
+            table[type(stmt)] = table[base]
+            return table[base]
+    raise UnknownStatement(f"not a statement: {stmt!r}")
+
+
+def validate(section: Section) -> None:
+    """Raise ValidationError if the definition is not well formed (e.g. duplicate names)."""
+    Definition(section)

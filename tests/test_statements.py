@@ -1,8 +1,9 @@
-"""Tests for the statement DSL: building, walking, finding and describing definitions."""
+"""Tests for the statement DSL: building, walking, finding, indexing and describing definitions."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -22,14 +23,17 @@ from daemon import (
     Step,
     Stmt,
     Switch,
+    UnknownStatement,
+    ValidationError,
     Wait,
     WaitFor,
     definition_to_dict,
     find_handler,
     find_step,
+    validate,
     walk,
 )
-from daemon.statements import truth
+from daemon.statements import Definition, truth
 from tests.support import Recorder
 
 REC = Recorder()
@@ -250,6 +254,57 @@ class TestDefinitionToDict:
             return [x]
 
         assert all(isinstance(v, str | bool) for v in leaves(definition_to_dict(sample())))
+
+
+class TestDefinition:
+    """Definition indexes a tree by name and rejects malformed ones."""
+
+    def test_index(self) -> None:
+        """Steps, waits, wait_fors, Go statements and events are indexed by name, Go bodies too."""
+        d = Definition(sample())
+        assert set(d.steps) == {
+            "first", "in_a", "in_b", "in_c", "in_x", "in_dflt", "body", "approved", "work"
+        }  # fmt: skip
+        assert set(d.waits) == {"pick", "worker_wait"}
+        assert set(d.wait_fors) == {"until"}
+        assert set(d.gos) == {"worker"}
+        assert set(d.events) == {"approve", "timeout", "poke"}
+        assert d.events["timeout"].handler is TIMER
+
+    def test_subclass_of_a_statement_is_indexed(self) -> None:
+        """A subclass of a known statement is treated as that statement."""
+
+        class Logged(Step):
+            __slots__ = ()
+
+        assert isinstance(Definition(S(Logged("x", noop))).steps["x"], Logged)
+
+    @pytest.mark.parametrize("bad", ["text", 3, None, Section])
+    def test_not_a_statement(self, bad: object) -> None:
+        """An object that is not a statement is rejected, naming it."""
+        with pytest.raises(UnknownStatement, match=re.escape(repr(bad))):
+            validate(S(Step("ok", noop), bad))  # type: ignore[arg-type]
+
+    @pytest.mark.parametrize(
+        ("section", "message"),
+        [
+            (S(For("l", True, Go("g", S(Break())))), "Break\\(\\) outside a For"),
+            (S(If(True, "i", Continue())), "Continue\\(\\) outside a For"),
+            (S(Go("g", S(Step("s", noop))), Step("s", noop)), "duplicate name 's' \\(step\\)"),
+            (S(If(True, "x").else_("x")), "duplicate name 'x' \\(branch\\)"),
+            (S(Wait("w", On("e", REC)), WaitFor("e", True)), "duplicate name 'e' \\(wait_for\\)"),
+            (S(Wait("w", "e")), "cases must be On"),  # type: ignore[arg-type]
+            (S(For(5, True)), "for needs a non-empty string name"),  # type: ignore[arg-type]
+        ],
+    )
+    def test_rejects(self, section: Section, message: str) -> None:
+        """Malformed trees fail with a message saying what is wrong."""
+        with pytest.raises(ValidationError, match=message):
+            Definition(section)
+
+    def test_return_anywhere(self) -> None:
+        """Return is allowed outside a For, in Go bodies and branches."""
+        validate(S(Return(), Go("g", S(Return())), If(True, "i", Return())))
 
 
 class TestRetry:
