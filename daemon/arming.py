@@ -140,7 +140,16 @@ class Arms:
                     continue  # disarmed or re-armed since
                 self.disarm(key)
                 req = CallbackRequest(key[0], key[1], key[2], key[3])
-                self._tg.start_soon(self._submit, req, {"deadline": due, "fired_at": now}, False)
+                self._tg.start_soon(self._fire, req, {"deadline": due, "fired_at": now})
+
+    async def _fire(self, req: CallbackRequest, input: dict[str, float]) -> None:
+        try:
+            await self._submit(req, input, False)
+        except Exception as e:  # noqa: BLE001 - a timer must never take the runtime down
+            # The wait is still armed in the store, so the timer fires again after a restart.
+            log.error(
+                "timer_fire_failed", workflow_id=req.workflow_id, event=req.name, error=str(e)
+            )
 
     async def _sleep_or_wake(self, deadline: float) -> None:
         async with anyio.create_task_group() as tg:

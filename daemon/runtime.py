@@ -160,6 +160,8 @@ class Runtime:
         reply = Reply()
         item = Item("callback", req=req, input=input, reply=reply if wait else None)
         if self.stopping:
+            if not wait:
+                return None  # a timer due now is still armed in the store: it fires after restart
             raise Unavailable("workflowd is shutting down")
         self.submit(req.workflow_id, item)
         if wait:
