@@ -66,35 +66,58 @@ class SocketListen:
     async def listen(self, req: CallbackRequest, deliver: Deliver) -> None:
         """Serve clients until one message is delivered and answered, then close the listener."""
         addr = msgspec.json.decode(req.setup_data, type=_Address)
-        fired, turn, failure = anyio.Event(), anyio.Lock(), list[Exception]()
-
-        async def client(stream: SocketStream) -> None:
-            async with stream:
-                try:
-                    await self._serve(stream, deliver, turn, fired)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                    pass  # the client went away; the wait stays open
-                except Exception as e:  # noqa: BLE001 - listen re-raises it below
-                    failure.append(e)
-                    fired.set()
-
         listener, inode = await _bind(addr)
+        session = _Session(deliver, self.timeout, addr.path, inode)
         async with listener:
             try:
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(listener.serve, client, tg)
-                    await fired.wait()
+                    tg.start_soon(listener.serve, session.client, tg)
+                    await session.done.wait()
                     tg.cancel_scope.cancel()
             finally:
-                # Unlink while still listening: until then nobody else may bind this path.
-                if addr.path is not None:
-                    _unlink(addr.path, inode)
-        if failure:
-            raise failure[0]
+                session.release()
+        if session.failure is not None:
+            raise session.failure
 
-    async def _serve(
-        self, stream: SocketStream, deliver: Deliver, turn: anyio.Lock, fired: anyio.Event
-    ) -> None:
+    async def handle(self, req: CallbackRequest, input: Any) -> Any:
+        """Return the input; it is also the client's reply."""
+        return input
+
+    async def teardown(self, req: CallbackRequest, handled: bool) -> None:
+        """Remove a socket file left behind (listen never ran or died), unless it is live."""
+        addr = msgspec.json.decode(req.setup_data or "{}", type=_Address)
+        if addr.path is not None and not await _is_live(addr.path):
+            _unlink(addr.path, None)
+
+
+class _Session:
+    """One run of `listen`: serves its clients, one delivery at a time, until one succeeds."""
+
+    def __init__(self, deliver: Deliver, timeout: float, path: str | None, inode: int | None):
+        self.deliver, self.timeout, self.path, self.inode = deliver, timeout, path, inode
+        self.turn = anyio.Lock()
+        self.fired = False
+        self.done = anyio.Event()
+        self.failure: Exception | None = None
+
+    def release(self) -> None:
+        """Remove our socket file, once: no new client can reach this listener after that."""
+        if self.path is not None:
+            _unlink(self.path, self.inode)
+            self.path = None
+
+    async def client(self, stream: SocketStream) -> None:
+        """Serve one client; its errors never stop the listener."""
+        async with stream:
+            try:
+                await self._serve(stream)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                pass  # the client went away; the wait stays open
+            except Exception as e:  # noqa: BLE001 - listen re-raises it
+                self.failure = e
+                self.done.set()
+
+    async def _serve(self, stream: SocketStream) -> None:
         """Read one line from a client, deliver it and answer."""
         reader = BufferedByteReceiveStream(stream)
         try:
@@ -109,20 +132,22 @@ class SocketListen:
         except TimeoutError:
             error = {"code": "timeout", "message": f"no message within {self.timeout} s"}
             return await self._reply(stream, {"ok": False, "error": error})
-        async with turn:  # one delivery at a time: only the first success fires the wait
-            if fired.is_set():
+        async with self.turn:  # only the first successful delivery fires the wait
+            if self.fired:
                 return await self._reply(stream, _error(StaleCallback("the wait has fired")))
             try:
-                out = await deliver(_parse(line))
+                out = await self.deliver(_parse(line))
             except WorkflowError as e:
                 return await self._reply(stream, _error(e))
             except Exception:
                 await self._reply(stream, _error(WorkflowError()))
                 raise
+            self.fired = True
+            self.release()  # the next wait may bind this path while we answer
             try:
                 await self._reply(stream, {"ok": True, "result": out})
             finally:
-                fired.set()
+                self.done.set()
 
     async def _reply(self, stream: SocketStream, message: dict[str, Any]) -> None:
         """Send one JSON line, giving up after the timeout on a client that does not read."""
@@ -132,16 +157,6 @@ class SocketListen:
             data = msgspec.json.encode(_error(WorkflowError(f"reply is not JSON: {e}")))
         with anyio.move_on_after(self.timeout):
             await stream.send(data + b"\n")
-
-    async def handle(self, req: CallbackRequest, input: Any) -> Any:
-        """Return the input; it is also the client's reply."""
-        return input
-
-    async def teardown(self, req: CallbackRequest, handled: bool) -> None:
-        """Remove a socket file left behind (listen never ran or died), unless it is live."""
-        addr = msgspec.json.decode(req.setup_data or "{}", type=_Address)
-        if addr.path is not None and not await _is_live(addr.path):
-            _unlink(addr.path, None)
 
 
 def _error(e: WorkflowError) -> dict[str, Any]:

@@ -273,32 +273,30 @@ class TestTeardown:
 
 class TestRestart:
     async def test_handover_to_the_next_wait(self, tmp_path: Path) -> None:
-        """The next wait on the same path binds once the previous one has answered its client."""
+        """Once a message is delivered, the path leads to the next wait, even mid-reply."""
         path = tmp_path / "s"
-        gate = anyio.Event()
+        big = "x" * (8 << 20)  # more than the socket buffers hold: the reply blocks until read
 
-        async def slow(input: Any) -> Any:
-            await gate.wait()
-            return "first"
+        delivered = anyio.Event()
 
-        first, second = SocketListen(path=path), SocketListen(path=path)
+        async def bulky(input: Any) -> Any:
+            delivered.set()
+            return big
+
+        first, second = SocketListen(path=path, timeout=30), SocketListen(path=path)
         req1, req2 = await setup(first), await setup(second)
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tg:
-                first_done = anyio.Event()
-
-                async def run_first() -> None:
-                    await first.listen(req1, slow)
-                    first_done.set()
-
-                tg.start_soon(run_first)
+                tg.start_soon(first.listen, req1, bulky)
                 async with await connect(path) as client:
                     await client.send(b"1\n")
-                    tg.start_soon(second.listen, req2, Inbox())  # while the first still listens
-                    gate.set()
-                    assert await read_reply(client) == {"ok": True, "result": "first"}
-                await first_done.wait()
-                assert await ask(path, b"2\n") == {"ok": True, "result": {"echo": 2}}
+                    tg.start_soon(second.listen, req2, Inbox())
+                    await delivered.wait()
+                    # The first is still answering; the next client reaches the second.
+                    assert await ask(path, b"2\n") == {"ok": True, "result": {"echo": 2}}
+                    reader = BufferedByteReceiveStream(client)
+                    reply = json.loads(await reader.receive_until(b"\n", 16 << 20))
+        assert reply == {"ok": True, "result": big}
         assert not path.exists()
 
     async def test_listen_again_from_setup_data(self, tmp_path: Path) -> None:
