@@ -17,8 +17,7 @@ like systemd's .path units.
 - setup records the file's identity (inode, size, mtime), so an edge that
   happened before listen started, or while the daemon was down, still fires
   when listen starts (`modified`: the file differs from the one at setup).
-- Each pending listen holds two threads: the inotify reader and a worker that
-  waits for batches (it wakes every STEP_MS to see whether it was cancelled).
+- Each pending listen holds two threads (see DirWatch).
 
 The input delivered is `{"path": matched path, "change": on}`.
 """
@@ -28,21 +27,17 @@ from __future__ import annotations
 import glob
 import os
 import re
-import threading
 from typing import Any
 
-import anyio
 import msgspec
 from watchfiles import Change
-from watchfiles._rust_notify import RustNotify
 
 from daemon.handler import CallbackRequest, Deliver
 
-DEBOUNCE_MS = 50
-STEP_MS = 20  # the watch thread wakes this often: cancellation latency vs idle cost
+from .dirwatch import Changes, DirWatch
+
 _ON = ("created", "modified", "deleted", "exists", "nonempty")
 _MAGIC = re.compile(r"[*?[]")
-_Changes = set[tuple[int, str]]
 
 
 class _Spec(msgspec.Struct):
@@ -133,7 +128,7 @@ def _on_arm(spec: _Spec) -> str | None:
     return spec.path if fired else None
 
 
-def _on_changes(spec: _Spec, changes: _Changes) -> str | None:
+def _on_changes(spec: _Spec, changes: Changes) -> str | None:
     """Check the condition after a batch of changes."""
     if spec.on in ("exists", "nonempty"):
         return _level(spec)
@@ -151,13 +146,13 @@ async def _wait(spec: _Spec) -> str:
     while True:
         root = _root(spec)
         try:
-            watcher = RustNotify([root], False, False, 0, False, False)
+            watch = DirWatch(root)
         except FileNotFoundError:
             continue  # the root vanished between the check and the watch
-        with watcher:
+        with watch:
             hit = _on_arm(spec)
             while hit is None:
-                changes = await _next_batch(watcher)
+                changes = await watch.next_batch()
                 hit = _on_changes(spec, changes)
                 # A root that was removed or renamed, or a missing directory that appeared,
                 # needs a new watch (inode numbers are reused, so compare paths).
@@ -165,33 +160,3 @@ async def _wait(spec: _Spec) -> str:
                     break
         if hit is not None:
             return hit
-
-
-async def _next_batch(watcher: RustNotify) -> _Changes:
-    """Return the next debounced batch of changes; cancelling stops the watch thread."""
-    stop = threading.Event()
-    done = anyio.Event()
-    outcome: list[_Changes | str | Exception] = []
-
-    async def run() -> None:
-        # A thread call cannot be interrupted, so cancellation reaches it through `stop`;
-        # its own limiter keeps long watches from using up anyio's shared thread tokens.
-        try:
-            outcome.append(
-                await anyio.to_thread.run_sync(
-                    watcher.watch, DEBOUNCE_MS, STEP_MS, 0, stop, limiter=anyio.CapacityLimiter(1)
-                )
-            )
-        except Exception as e:  # noqa: BLE001 - re-raised below, outside the task group
-            outcome.append(e)
-        done.set()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(run)
-        try:
-            await done.wait()
-        finally:
-            stop.set()
-    if isinstance(outcome[0], Exception):
-        raise outcome[0]
-    return outcome[0] if isinstance(outcome[0], set) else set()
