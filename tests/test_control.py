@@ -531,7 +531,9 @@ needs_root = pytest.mark.skipif(
 async def _as_nobody(path: Path) -> Record:
     """Connect from a child process running as uid/gid 65534 and return its first reply."""
     argv = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
-    done = await anyio.run_process([*argv, sys.executable, "-I", "-c", CHILD, str(path)], check=False)
+    done = await anyio.run_process(
+        [*argv, sys.executable, "-I", "-c", CHILD, str(path)], check=False
+    )
     assert done.returncode == 0, done.stderr.decode()
     result: Record = msgspec.json.decode(done.stdout)
     return result

@@ -1,0 +1,274 @@
+"""workflowctl: start, signal and inspect workflows through workflowd's control socket."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from . import protocol as proto
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+DEFAULT_SOCKET = "state/workflowd.sock"  # the [daemon] socket default of config.toml
+
+
+class Unreachable(Exception):
+    """The daemon could not be reached, or hung up without answering."""
+
+
+class NoSocket(Exception):
+    """The command line, environment and config file do not say where the socket is."""
+
+
+class Connection:
+    """A blocking JSON-lines connection to the daemon."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.connect(str(path))
+        except OSError as e:
+            self.sock.close()
+            raise Unreachable(e.strerror or str(e)) from None
+        self.lines = self.sock.makefile("rb")
+
+    def send(self, request: proto.AnyRequest) -> None:
+        """Write one request."""
+        try:
+            self.sock.sendall(proto.encode(request))
+        except BrokenPipeError:
+            pass  # the daemon refused us at once; its reply, still to be read, says why
+        except OSError as e:
+            raise Unreachable(e.strerror or str(e)) from None
+
+    def responses(self) -> Iterator[dict[str, Any]]:
+        """Yield responses until the daemon closes the connection."""
+        try:
+            for line in self.lines:
+                yield proto.decode_response(line)
+        except OSError as e:
+            raise Unreachable(e.strerror or str(e)) from None
+        except proto.ProtocolError as e:
+            raise Unreachable(e.message) from None
+        raise Unreachable("workflowd closed the connection")
+
+
+def json_value(text: str) -> Any:
+    """Parse a JSON command-line argument."""
+    try:
+        return msgspec.json.decode(text)
+    except msgspec.DecodeError as e:
+        raise argparse.ArgumentTypeError(f"invalid JSON: {e}") from None
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """Parse a JSON object command-line argument."""
+    value = json_value(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError('expected a JSON object, like \'{"name": "x"}\'')
+    return value
+
+
+def add_global_options(parser: argparse.ArgumentParser, **defaults: Any) -> None:
+    """Add --socket, --config and --json with the given defaults."""
+    parser.add_argument("--socket", default=defaults["socket"], help="the control socket's path")
+    parser.add_argument(
+        "--config", default=defaults["config"], help="read [daemon] socket here (./config.toml)"
+    )
+    parser.add_argument("--json", action="store_true", default=defaults["json"], help="print JSON")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the command-line parser."""
+    parser = argparse.ArgumentParser(prog="workflowctl", description=__doc__)
+    add_global_options(parser, socket=None, config="config.toml", json=False)
+    # Global options also work after the command; SUPPRESS keeps the command's parser from
+    # overwriting a value given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    add_global_options(
+        common, socket=argparse.SUPPRESS, config=argparse.SUPPRESS, json=argparse.SUPPRESS
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, parents=[common])
+
+    command("ping", "check that workflowd answers; show its version and workflow counts")
+    p = command("start", "start a workflow")
+    p.add_argument("workflow", metavar="NAME")
+    p.add_argument("--id", dest="workflow_id", help="the workflow id (default: generated)")
+    p.add_argument("--input", type=json_object, help="the input, a JSON object")
+    p = command("send", "send an event to a waiting workflow and print the handler's reply")
+    p.add_argument("workflow_id", metavar="ID")
+    p.add_argument("event", metavar="EVENT")
+    p.add_argument("--input", type=json_value, help="the event's input, any JSON")
+    p.add_argument("--no-wait", dest="wait", action="store_false", help="return once queued")
+    p.add_argument("--thread", dest="thread_id", help="the waiting thread")
+    p.add_argument("--pc", type=int, help="the wait's pc (rejects a stale event)")
+    p = command("list", "list workflows")
+    p.add_argument("--status")
+    p.add_argument("--workflow", metavar="NAME")
+    p.add_argument("--limit", type=int, default=100)
+    for name, help in [("show", "show a workflow"), ("cancel", "cancel a workflow")]:
+        command(name, help).add_argument("workflow_id", metavar="ID")
+    p = command("history", "show a workflow's history")
+    p.add_argument("workflow_id", metavar="ID")
+    p.add_argument("--limit", type=int, default=1000)
+    p = command("logs", "print the daemon's recent log records")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new records")
+    p.add_argument("--workflow", dest="workflow_id", metavar="ID", help="only this workflow")
+    return parser
+
+
+def socket_path(args: argparse.Namespace) -> Path:
+    """Return --socket, else $WORKFLOWD_SOCKET, else [daemon] socket of the config file."""
+    if args.socket:
+        return Path(args.socket)
+    if os.environ.get("WORKFLOWD_SOCKET"):
+        return Path(os.environ["WORKFLOWD_SOCKET"])
+    config = Path(args.config)
+    hint = "pass --socket PATH or set WORKFLOWD_SOCKET"
+    try:
+        table = tomllib.loads(config.read_text()).get("daemon", {})
+    except FileNotFoundError:
+        raise NoSocket(f"no {config}; {hint}") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise NoSocket(f"cannot read {config}: {e}") from None
+    value = table.get("socket", DEFAULT_SOCKET) if isinstance(table, dict) else None
+    if not isinstance(value, str) or not value:
+        raise NoSocket(f"{config}: [daemon] socket must be a path")
+    if value.startswith("$"):  # $RUNTIME_DIRECTORY/..., as the daemon's config allows
+        var, _, rest = value[1:].partition("/")
+        if not os.environ.get(var):
+            raise NoSocket(f"{config}: the socket is under ${var}; {hint}")
+        return Path(os.environ[var].split(":")[0]) / rest
+    return Path(os.path.normpath(config.parent / value))
+
+
+def build_request(args: argparse.Namespace) -> proto.AnyRequest:
+    """Turn the parsed command line into a request."""
+    a = args
+    match a.command:
+        case "ping":
+            return proto.Ping(id=1)
+        case "start":
+            return proto.Start(id=1, workflow=a.workflow, workflow_id=a.workflow_id, input=a.input)
+        case "send":
+            return proto.Send(
+                id=1, workflow_id=a.workflow_id, event=a.event, input=a.input,
+                thread_id=a.thread_id, pc=a.pc, wait=a.wait,
+            )  # fmt: skip
+        case "list":
+            return proto.List(id=1, status=a.status, workflow=a.workflow, limit=a.limit)
+        case "show":
+            return proto.Show(id=1, workflow_id=a.workflow_id)
+        case "history":
+            return proto.History(id=1, workflow_id=a.workflow_id, limit=a.limit)
+        case "cancel":
+            return proto.Cancel(id=1, workflow_id=a.workflow_id)
+        case _:
+            return proto.Logs(id=1, follow=a.follow, workflow_id=a.workflow_id)
+
+
+def compact(value: Any) -> str:
+    """Return one-line JSON."""
+    return proto.encode(value).decode().rstrip()
+
+
+def pretty(value: Any) -> str:
+    """Return indented JSON."""
+    return msgspec.json.format(proto.encode(value), indent=2).decode().rstrip()
+
+
+def cell(value: Any) -> str:
+    """Return a value as one table cell."""
+    if value is None:
+        return ""
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return ", ".join(value)
+    text = value if isinstance(value, str) else compact(value)
+    return text.replace("\n", "\\n")
+
+
+def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    """Return rows as an aligned text table with a header."""
+    grid = [[c.upper() for c in columns]] + [[cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(line[i]) for line in grid) for i in range(len(columns))]
+    return "\n".join(
+        "  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip() for line in grid
+    )
+
+
+def log_text(record: dict[str, Any]) -> str:
+    """Return a log record as one human-readable line."""
+    rest = {k: v for k, v in record.items() if k not in ("timestamp", "level", "event")}
+    head = f"{record.get('timestamp', '')} {record.get('level', ''):<7} {record.get('event', '')}"
+    return " ".join([head.strip(), *(f"{k}={cell(v)}" for k, v in rest.items())])
+
+
+def show(command: str, result: Any) -> str:
+    """Return a command's result as text for people."""
+    match command, result:
+        case "ping", {"version": version, "workflows": dict(counts)}:
+            summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no workflows"
+            return f"workflowd {version}: {summary}"
+        case "start" | "cancel", {"workflow_id": wid, "status": status}:
+            return f"{wid}: {status}"
+        case "list", list(rows):
+            columns = ["workflow_id", "workflow", "status", "updated_at", "waiting_for"]
+            return table(rows, columns) if rows else "no workflows"
+        case "history", list(rows):
+            columns = list(dict.fromkeys(k for r in rows if isinstance(r, dict) for k in r))
+            return table(rows, columns) if rows else "no history"
+    return pretty(result)
+
+
+def run(args: argparse.Namespace, path: Path) -> int:
+    """Send the request, print the response(s) and return the exit code."""
+    conn = Connection(path)
+    conn.send(build_request(args))
+    for response in conn.responses():
+        if not response.get("ok"):
+            err = response.get("error") or {}
+            print(f"error: {err.get('code', '?')}: {err.get('message', '')}", file=sys.stderr)
+            return EXIT_ERROR
+        if "log" in response:
+            record = response["log"]
+            print(compact(record) if args.json else log_text(record), flush=True)
+            continue
+        if args.command != "logs":  # the end marker of `logs` is not worth printing
+            result = response.get("result")
+            print(compact(result) if args.json else show(args.command, result))
+        return EXIT_OK
+    return EXIT_OK  # not reached: responses() raises when the daemon hangs up
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run workflowctl and exit with its status."""
+    args = build_parser().parse_args(argv)
+    try:
+        path = socket_path(args)
+        code = run(args, path)
+    except NoSocket as e:
+        print(f"workflowctl: {e}", file=sys.stderr)
+        code = EXIT_USAGE
+    except Unreachable as e:
+        print(f"workflowctl: cannot reach workflowd at {path}: {e}", file=sys.stderr)
+        code = EXIT_UNREACHABLE
+    except KeyboardInterrupt:
+        code = EXIT_INTERRUPTED
+    except BrokenPipeError:  # our reader went away (`workflowctl logs | head`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = EXIT_OK
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Tests for the control protocol's shapes and framing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from daemon import errors
+from daemon.protocol import (
+    ERROR_CODES,
+    OPS,
+    History,
+    List,
+    Logs,
+    Ping,
+    ProtocolError,
+    Send,
+    Start,
+    decode_request,
+    decode_response,
+    encode,
+    error,
+    log_line,
+    ok,
+)
+
+
+def _error_classes(cls: type[errors.WorkflowError]) -> list[type[errors.WorkflowError]]:
+    return [cls, *(c for sub in cls.__subclasses__() for c in _error_classes(sub))]
+
+
+class TestEncode:
+    def test_one_line(self) -> None:
+        """A message is one JSON line, even when its strings hold newlines."""
+        data = encode({"text": "a\nb"})
+        assert data.endswith(b"\n") and data.count(b"\n") == 1
+        assert msgspec.json.decode(data) == {"text": "a\nb"}
+
+    def test_unknown_values_become_text(self) -> None:
+        """Values JSON cannot hold are sent as their str()."""
+        assert msgspec.json.decode(encode({"x": ValueError("boom")})) == {"x": "boom"}
+
+    def test_requests_leave_out_defaults(self) -> None:
+        """A request built by a client carries its op and only the fields it sets."""
+        assert msgspec.json.decode(encode(Ping(id=1))) == {"op": "ping", "id": 1}
+        assert msgspec.json.decode(encode(Send(workflow_id="w", event="e", wait=False))) == {
+            "op": "send",
+            "workflow_id": "w",
+            "event": "e",
+            "wait": False,
+        }
+
+    def test_responses(self) -> None:
+        """The response builders give the documented shapes."""
+        assert ok(1, [1]) == {"id": 1, "ok": True, "result": [1]}
+        assert error("a", "stale", "old") == {
+            "id": "a",
+            "ok": False,
+            "error": {"code": "stale", "message": "old"},
+        }
+        assert log_line(None, {"event": "x"}) == {"id": None, "ok": True, "log": {"event": "x"}}
+
+
+class TestDecodeRequest:
+    def test_defaults(self) -> None:
+        """Optional fields get their documented defaults."""
+        assert decode_request(b'{"op": "list"}') == List(limit=100)
+        assert decode_request(b'{"op": "history", "workflow_id": "w"}') == History(
+            workflow_id="w", limit=1000
+        )
+        assert decode_request(b'{"op": "logs"}') == Logs(follow=False)
+        send = decode_request(b'{"op": "send", "workflow_id": "w", "event": "e"}')
+        assert isinstance(send, Send) and send.wait is True and send.input is None
+
+    def test_unknown_fields_are_ignored(self) -> None:
+        """A newer client's extra fields do not break an older daemon."""
+        assert decode_request(b'{"op": "ping", "id": 2, "colour": "red"}') == Ping(id=2)
+
+    @pytest.mark.parametrize(
+        ("line", "code", "words"),
+        [
+            (b"{", "bad_request", "invalid JSON"),
+            (b'"ping"', "bad_request", "JSON object"),
+            (b'{"op": 3}', "bad_request", "`op`"),
+            (b'{"op": "fly", "id": 7}', "unknown_op", "'fly'"),
+            (b'{"op": "start", "id": 7}', "bad_request", "`workflow`"),
+            (b'{"op": "start", "id": 7, "workflow": "w", "input": [1]}', "bad_request", "$.input"),
+            (
+                b'{"op": "send", "id": 7, "workflow_id": "w", "event": "e", "pc": -1}',
+                "bad_request",
+                "$.pc",
+            ),
+            (b'{"op": "list", "id": 7, "limit": true}', "bad_request", "$.limit"),
+            (b'{"op": "ping", "id": [1]}', "bad_request", "$.id"),
+        ],
+    )
+    def test_errors(self, line: bytes, code: str, words: str) -> None:
+        """Bad lines raise ProtocolError with a stable code, a message naming the problem and the id."""
+        with pytest.raises(ProtocolError) as caught:
+            decode_request(line)
+        assert caught.value.code == code and words in caught.value.message
+        assert caught.value.id == (7 if b'"id": 7' in line else None)
+
+    @given(
+        st.builds(
+            Start,
+            id=st.none() | st.integers() | st.text(),
+            workflow=st.text(),
+            workflow_id=st.none() | st.text(),
+            input=st.none() | st.dictionaries(st.text(), st.integers() | st.text()),
+        )
+    )
+    def test_round_trip(self, req: Start) -> None:
+        """What a client encodes, the daemon decodes to the same request."""
+        assert decode_request(encode(req)) == req
+
+
+class TestCodes:
+    def test_every_error_code_is_documented(self) -> None:
+        """Each WorkflowError subclass's code is one of ERROR_CODES."""
+        codes = {cls.code for cls in _error_classes(errors.WorkflowError)}
+        assert codes <= ERROR_CODES
+
+    def test_ops(self) -> None:
+        """The ops are exactly the documented verbs."""
+        assert {"ping", "start", "send", "list", "show", "history", "cancel", "logs"} == OPS
+
+    def test_decode_response(self) -> None:
+        """A client reads an object per line and rejects anything else."""
+        response: dict[str, Any] = decode_response(b'{"id": 1, "ok": true, "result": null}\n')
+        assert response["ok"] is True
+        with pytest.raises(ProtocolError):
+            decode_response(b"[]")
