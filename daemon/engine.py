@@ -271,7 +271,8 @@ class _Resumer:
         self.rebuild()
         await self.checkpoint(_AFTER_STEP)
 
-    async def advance(self, t: Thread) -> None:
+    def advance(self, t: Thread) -> None:
+        """Move `t` on to where it must stop; the caller checkpoints (AFTER_RESUME)."""
         s = self.state
         if t.name == MAIN_THREAD:
             body: Section = self.root
@@ -300,7 +301,6 @@ class _Resumer:
                 self.cases[c.event] = c
         else:  # Break/Continue escaped every For: validate() rules this out
             raise ValidationError(f"thread {t.id}: Break/Continue outside a For")
-        await self.checkpoint(_AFTER_RESUME)
 
     def end_thread(self, t: Thread) -> None:
         s = self.state
@@ -398,7 +398,8 @@ async def resume(
             if t.status is _EXECUTING:
                 await r.execute(t)
             else:
-                await r.advance(t)
+                r.advance(t)
+                await checkpoint(_AFTER_RESUME)
         elif not await r.check_conditions():
             break
     if state.status in FINAL_STATUSES:

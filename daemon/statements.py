@@ -18,6 +18,8 @@ Action = Callable[[], object] | Callable[[], Awaitable[object]]
 
 def truth(cond: Cond) -> bool:
     """Evaluate a condition that may be a value or a zero-argument callable."""
+    if isinstance(cond, bool):  # the usual case: a comparison evaluated when the tree was built
+        return cond
     return bool(cond()) if callable(cond) else bool(cond)
 
 
