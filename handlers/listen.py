@@ -1,17 +1,13 @@
 """SocketListen: a Wait case fired by one message on a Unix or TCP socket; the sender gets the reply.
 
-The listener exists only while `listen` runs. Clients are served concurrently;
-the first one that sends a line (at most 1 MiB) hands it to the workflow: the
-line parsed as JSON, or the raw text if it is not JSON. It gets back one JSON
-line, `{"ok": true, "result": ...}`, and the listener closes. If the workflow
-rejects the input, the client gets `{"ok": false, "error": {"code", "message"}}`
-and the listener stays open for the next one. A client that sends nothing for
-`timeout` seconds is dropped without holding up the others.
+The listener exists only while `listen` runs; OneShot serves its clients.
+A Unix socket file gets mode 0o660; a stale one is replaced, a live one never.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import stat
 from typing import Any
@@ -19,12 +15,11 @@ from typing import Any
 import anyio
 import msgspec
 from anyio.abc import Listener, SocketStream
-from anyio.streams.buffered import BufferedByteReceiveStream
 
-from daemon.errors import BadRequest, StaleCallback, WorkflowError
 from daemon.handler import CallbackRequest, Deliver
 
-MAX_LINE = 1 << 20
+from .oneshot import OneShot
+
 HANDOVER_S = 1.0
 _MAX_UNIX_PATH = 108
 
@@ -67,17 +62,13 @@ class SocketListen:
         """Serve clients until one message is delivered and answered, then close the listener."""
         addr = msgspec.json.decode(req.setup_data, type=_Address)
         listener, inode = await _bind(addr)
-        session = _Session(deliver, self.timeout, addr.path, inode)
+        release = None if addr.path is None else functools.partial(_unlink, addr.path, inode)
+        shot = OneShot(deliver, self.timeout, release)
         async with listener:
             try:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(listener.serve, session.client, tg)
-                    await session.done.wait()
-                    tg.cancel_scope.cancel()
+                await shot.serve(listener)
             finally:
-                session.release()
-        if session.failure is not None:
-            raise session.failure
+                shot.release()  # while still listening: until then nobody else may bind the path
 
     async def handle(self, req: CallbackRequest, input: Any) -> Any:
         """Return the input; it is also the client's reply."""
@@ -88,88 +79,6 @@ class SocketListen:
         addr = msgspec.json.decode(req.setup_data or "{}", type=_Address)
         if addr.path is not None and not await _is_live(addr.path):
             _unlink(addr.path, None)
-
-
-class _Session:
-    """One run of `listen`: serves its clients, one delivery at a time, until one succeeds."""
-
-    def __init__(self, deliver: Deliver, timeout: float, path: str | None, inode: int | None):
-        self.deliver, self.timeout, self.path, self.inode = deliver, timeout, path, inode
-        self.turn = anyio.Lock()
-        self.fired = False
-        self.done = anyio.Event()
-        self.failure: Exception | None = None
-
-    def release(self) -> None:
-        """Remove our socket file, once: no new client can reach this listener after that."""
-        if self.path is not None:
-            _unlink(self.path, self.inode)
-            self.path = None
-
-    async def client(self, stream: SocketStream) -> None:
-        """Serve one client; its errors never stop the listener."""
-        async with stream:
-            try:
-                await self._serve(stream)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                pass  # the client went away; the wait stays open
-            except Exception as e:  # noqa: BLE001 - listen re-raises it
-                self.failure = e
-                self.done.set()
-
-    async def _serve(self, stream: SocketStream) -> None:
-        """Read one line from a client, deliver it and answer."""
-        reader = BufferedByteReceiveStream(stream)
-        try:
-            with anyio.fail_after(self.timeout):
-                line = await reader.receive_until(b"\n", MAX_LINE)
-        except anyio.IncompleteRead:
-            line = reader.buffer  # the client closed its side after a message without "\n"
-            if not line:
-                return
-        except anyio.DelimiterNotFound:
-            return await self._reply(stream, _error(BadRequest(f"message over {MAX_LINE} bytes")))
-        except TimeoutError:
-            error = {"code": "timeout", "message": f"no message within {self.timeout} s"}
-            return await self._reply(stream, {"ok": False, "error": error})
-        async with self.turn:  # only the first successful delivery fires the wait
-            if self.fired:
-                return await self._reply(stream, _error(StaleCallback("the wait has fired")))
-            try:
-                out = await self.deliver(_parse(line))
-            except WorkflowError as e:
-                return await self._reply(stream, _error(e))
-            except Exception:
-                await self._reply(stream, _error(WorkflowError()))
-                raise
-            self.fired = True
-            self.release()  # the next wait may bind this path while we answer
-            try:
-                await self._reply(stream, {"ok": True, "result": out})
-            finally:
-                self.done.set()
-
-    async def _reply(self, stream: SocketStream, message: dict[str, Any]) -> None:
-        """Send one JSON line, giving up after the timeout on a client that does not read."""
-        try:
-            data = msgspec.json.encode(message)
-        except (TypeError, msgspec.EncodeError) as e:
-            data = msgspec.json.encode(_error(WorkflowError(f"reply is not JSON: {e}")))
-        with anyio.move_on_after(self.timeout):
-            await stream.send(data + b"\n")
-
-
-def _error(e: WorkflowError) -> dict[str, Any]:
-    return {"ok": False, "error": {"code": e.code, "message": str(e)}}
-
-
-def _parse(line: bytes) -> Any:
-    """Return the line as JSON, or as text when it is not JSON."""
-    line = line.removesuffix(b"\r")
-    try:
-        return msgspec.json.decode(line)
-    except msgspec.DecodeError:
-        return line.decode("utf-8", "replace")
 
 
 def _check_path(path: str) -> str:

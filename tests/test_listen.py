@@ -18,7 +18,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from daemon.errors import HandlerRejected
 from daemon.handler import ActiveHandler, CallbackRequest
 from handlers import SocketListen
-from handlers.listen import MAX_LINE
+from handlers.oneshot import MAX_LINE
 
 
 class Inbox:
