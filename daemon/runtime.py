@@ -213,13 +213,20 @@ class Runtime:
         """Make the armed waits of a workflow match its state."""
         state = loaded.state
         wanted = {}
-        if state.status not in FINAL_STATUSES:
+        armed = [
+            (t.id, ev.req)
+            for t in state.threads
+            for ev in t.wait_events
+            if ev.status is EventStatus.SETUP
+        ]
+        # Building the definition is the costly part; a workflow that just took a callback
+        # usually has nothing set up, so skip it then.
+        if armed and state.status not in FINAL_STATUSES:
             events = Definition(loaded.wf.definition()).events
-            for t in state.threads:
-                for ev in t.wait_events:
-                    on = events.get(ev.req.name)
-                    if ev.status is EventStatus.SETUP and on is not None:
-                        wanted[(state.id, t.id, ev.req.name, ev.req.pc)] = (ev.req, on.handler)
+            for thread_id, req in armed:
+                on = events.get(req.name)
+                if on is not None:
+                    wanted[(state.id, thread_id, req.name, req.pc)] = (req, on.handler)
         self.arms.sync(state.id, wanted)
 
     async def recover(self) -> None:
