@@ -296,12 +296,11 @@ class _Session:
         self.slots = anyio.Semaphore(MAX_IN_FLIGHT)
         self.in_flight = 0
         self.eof = False
-        self.follows: set[anyio.CancelScope] = set()
 
     async def run(self) -> None:
         """Answer every request until EOF, idleness or an oversized line."""
         reader = BufferedByteReceiveStream(self.stream)
-        async with anyio.create_task_group() as self.tg:
+        async with anyio.create_task_group() as self.tg, anyio.create_task_group() as follows:
             while not self.eof and (line := await self._next_line(reader)) is not None:
                 if len(line) > self.control.max_bytes:
                     message = f"request line over {self.control.max_bytes} bytes"
@@ -309,14 +308,18 @@ class _Session:
                     self.tg.cancel_scope.cancel()
                     return
                 if line.strip():
+                    try:
+                        req: proto.AnyRequest | proto.ProtocolError = proto.decode_request(line)
+                    except proto.ProtocolError as e:
+                        req = e
                     await self.slots.acquire()
                     self.in_flight += 1
-                    self.tg.start_soon(self._request, line)
-            for scope in self.follows:  # the client stopped talking: stop streaming logs to it
-                scope.cancel()
+                    follow = isinstance(req, proto.Logs) and req.follow
+                    (follows if follow else self.tg).start_soon(self._answer, req)
+            follows.cancel_scope.cancel()  # the client stopped talking: stop streaming logs to it
 
     async def _next_line(self, reader: BufferedByteReceiveStream) -> bytes | None:
-        """Return the next line (too long if over the limit), or None once idle."""
+        """Return the next line (too long if over the limit), or None once idle or gone."""
         while True:
             with anyio.move_on_after(self.control.idle):
                 try:
@@ -332,38 +335,24 @@ class _Session:
             if not self.in_flight:
                 return None
 
-    async def _request(self, line: bytes) -> None:
+    async def _answer(self, req: proto.AnyRequest | proto.ProtocolError) -> None:
         try:
-            await self._answer(line)
+            if isinstance(req, proto.ProtocolError):
+                await self.reply(error(req.id, req.code, req.message))
+            else:
+                await self.reply(await self._respond(req))
         finally:
             self.in_flight -= 1
             self.slots.release()
 
-    async def _answer(self, line: bytes) -> None:
+    async def _respond(self, req: proto.AnyRequest) -> dict[str, Any]:
         try:
-            req = proto.decode_request(line)
-        except proto.ProtocolError as e:
-            await self.reply(error(e.id, e.code, e.message))
-            return
-        try:
-            if isinstance(req, proto.Logs) and req.follow:
-                with anyio.CancelScope() as scope:
-                    self.follows.add(scope)
-                    if self.eof:  # the client has already hung up: nobody to stream to
-                        scope.cancel()
-                    result = await self.control.dispatch(req, self.reply)
-                self.follows.discard(scope)
-                if scope.cancelled_caught:
-                    return
-            else:
-                result = await self.control.dispatch(req, self.reply)
+            return proto.ok(req.id, await self.control.dispatch(req, self.reply))
         except WorkflowError as e:
-            await self.reply(error(req.id, e.code, e.message))
+            return error(req.id, e.code, e.message)
         except Exception as e:
             log.exception("control_request_failed", op=type(req).__name__.lower())
-            await self.reply(error(req.id, "internal", f"{type(e).__name__}: {e}"))
-        else:
-            await self.reply(proto.ok(req.id, result))
+            return error(req.id, "internal", f"{type(e).__name__}: {e}")
 
     async def reply(self, response: dict[str, Any]) -> None:
         """Write one response line; a peer that stops reading or goes away is dropped."""
