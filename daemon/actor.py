@@ -228,20 +228,42 @@ class Actor:
     async def _run_step(self, step: Step) -> None:
         self.running_step = (step.name, time.monotonic())
         started = time.perf_counter()
-        action = step.action
         try:
-            with anyio.fail_after(step.timeout) if step.timeout else _nullcontext():
-                if inspect.iscoroutinefunction(action):
-                    await action()
-                else:
-                    result = await anyio.to_thread.run_sync(action, limiter=self.rt.limiter)
-                    if inspect.isawaitable(result):
+            if inspect.iscoroutinefunction(step.action):
+                with anyio.fail_after(step.timeout) if step.timeout else _nullcontext():
+                    await step.action()
+            else:
+                result = await self._run_sync(step)
+                if inspect.isawaitable(result):
+                    with anyio.fail_after(step.timeout) if step.timeout else _nullcontext():
                         await result
         finally:
             self.running_step = None
         ms = round((time.perf_counter() - started) * 1000, 3)
         log.info("step_done", step=step.name, duration_ms=ms)
         self._history.append(("step_done", {"step": step.name, "duration_ms": ms}))
+
+    async def _run_sync(self, step: Step) -> object:
+        """Run a sync action in a worker thread; one that outlives its timeout is reported.
+
+        A thread cannot be cancelled, so a cancel (shutdown, `cancel`) abandons it instead of
+        waiting for it: a hung step must not hang the daemon. Its result is dropped and the
+        step runs again after a restart, as for a crash.
+        """
+        run = anyio.to_thread.run_sync
+        limiter = self.rt.limiter
+        if step.timeout is None:
+            return await run(step.action, limiter=limiter, abandon_on_cancel=True)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._report_slow, step.name, step.timeout)
+            result = await run(step.action, limiter=limiter, abandon_on_cancel=True)
+            tg.cancel_scope.cancel()
+        return result
+
+    async def _report_slow(self, step: str, after_s: float) -> None:
+        await anyio.sleep(after_s)
+        log.warning("step_slow", step=step, timeout_s=after_s, note="sync: cannot be cancelled")
+        self._history.append(("step_slow", {"step": step, "timeout_s": after_s}))
 
     async def _step_failed(self, loaded: Loaded, e: StepFailed) -> None:
         step = Definition(loaded.wf.definition()).steps.get(e.step)

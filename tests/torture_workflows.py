@@ -14,10 +14,11 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import anyio
 
-from daemon import For, Go, If, On, S, Section, Step, Wait, WaitFor, Workflow
+from daemon import CallbackRequest, For, Go, If, On, S, Section, Step, Wait, WaitFor, Workflow
 from handlers import Signal, SocketListen, Timer
 
 #: The step that raises once per key fails on these iterations of a Looper.
@@ -227,3 +228,95 @@ class Door(Workflow):
                 On("timeout", Timer(after=self.patience_s), Step("in_timeout", self.timed_out)),
             )
         )
+
+
+@dataclass
+class Filler(Workflow):
+    """Appends `size` bytes of text to its data in each of `n` slow steps (fills a small disk)."""
+
+    id: str = ""
+    n: int = 10
+    size: int = 16_384
+    delay_s: float = 0.05
+    chunks: list[str] = field(default_factory=list)
+
+    def grow(self) -> None:
+        record(self.id, f"grow{len(self.chunks)}")
+        time.sleep(self.delay_s)
+        self.chunks.append("x" * self.size)
+
+    def definition(self) -> Section:
+        return S(For("fill", len(self.chunks) < self.n, Step("grow", self.grow)))
+
+
+class Touchy:
+    """A handler whose setup (or teardown) raises while the file `marker`.setup (.teardown) exists."""
+
+    type = "touchy"
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    async def setup(self, req: CallbackRequest) -> str:
+        """Refuse while the setup marker exists."""
+        if await anyio.Path(f"{self.marker}.setup").exists():
+            raise RuntimeError("setup refused by marker")
+        return ""
+
+    async def handle(self, req: CallbackRequest, input: Any) -> Any:
+        """Return the input."""
+        return input
+
+    async def teardown(self, req: CallbackRequest, handled: bool) -> None:
+        """Refuse while the teardown marker exists."""
+        if await anyio.Path(f"{self.marker}.teardown").exists():
+            raise RuntimeError("teardown refused by marker")
+
+
+@dataclass
+class Picky(Workflow):
+    """Waits on a signal or a Touchy handler, then on a second signal."""
+
+    id: str = ""
+    marker: str = ""
+    stage: int = 0
+
+    def next_stage(self) -> None:
+        self.stage += 1
+
+    def definition(self) -> Section:
+        return S(
+            Wait("first", On("go", Signal()), On("touch", Touchy(self.marker))),
+            Step("between", self.next_stage),
+            Wait("second", On("go2", Signal())),
+            Step("last", self.next_stage),
+        )
+
+
+@dataclass
+class Hang(Workflow):
+    """Runs one step that hangs on its first run: async (cancelled) or sync (only reported)."""
+
+    id: str = ""
+    sync: bool = False
+    hang_s: float = 3600.0
+    timeout_s: float = 0.3
+    runs: int = 0
+
+    async def stuck(self) -> None:
+        if first_time(self.id, "stuck"):
+            record(self.id, "stuck", "fail")
+            await anyio.sleep(self.hang_s)
+        record(self.id, "stuck")
+        self.runs += 1
+
+    def slow(self) -> None:
+        record(self.id, "slow")
+        if first_time(self.id, "slow"):
+            time.sleep(self.hang_s)
+        self.runs += 1
+
+    def definition(self) -> Section:
+        if self.sync:
+            return S(Step("slow", self.slow, timeout=self.timeout_s))
+        return S(Step("stuck", self.stuck, timeout=self.timeout_s))
