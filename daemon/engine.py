@@ -376,10 +376,15 @@ def _describe(e: BaseException) -> str:
 def release_waits(state: State) -> None:
     """Mark every armed wait of every thread for teardown (the workflow ended or was cancelled)."""
     for t in state.threads:
-        t.wait_events = [ev for ev in t.wait_events if ev.status is not EventStatus.PENDING_SETUP]
-        for ev in t.wait_events:
-            if ev.status in (EventStatus.SETUP, EventStatus.SETUP_ERROR):
-                ev.status = EventStatus.PENDING_TEARDOWN
+        _release(t)
+
+
+def _release(t: Thread) -> None:
+    # Events never set up have nothing to tear down.
+    t.wait_events = [ev for ev in t.wait_events if ev.status is not EventStatus.PENDING_SETUP]
+    for ev in t.wait_events:
+        if ev.status in (EventStatus.SETUP, EventStatus.SETUP_ERROR):
+            ev.status = EventStatus.PENDING_TEARDOWN
 
 
 async def resume(
@@ -435,13 +440,7 @@ async def handle_callback(req: CallbackRequest, wf: Definable, state: State, inp
     state.pc += 1
     event.handled = True
     thread.cur_callback = req.name
-    # Events never set up have nothing to tear down.
-    thread.wait_events = [
-        ev for ev in thread.wait_events if ev.status is not EventStatus.PENDING_SETUP
-    ]
-    for ev in thread.wait_events:
-        if ev.status in (EventStatus.SETUP, EventStatus.SETUP_ERROR):
-            ev.status = EventStatus.PENDING_TEARDOWN
+    _release(thread)
     thread.status = ThreadStatus.RESUMING
     thread.pc += 1
     state.update_status()
