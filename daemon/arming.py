@@ -115,7 +115,7 @@ class Arms:
                     log.warning(
                         "listen_failed",
                         workflow_id=req.workflow_id,
-                        event=req.name,
+                        event_name=req.name,
                         error=f"{type(e).__name__}: {e}",
                         retry_in_s=delay,
                     )
@@ -148,7 +148,7 @@ class Arms:
         except Exception as e:  # noqa: BLE001 - a timer must never take the runtime down
             # The wait is still armed in the store, so the timer fires again after a restart.
             log.error(
-                "timer_fire_failed", workflow_id=req.workflow_id, event=req.name, error=str(e)
+                "timer_fire_failed", workflow_id=req.workflow_id, event_name=req.name, error=str(e)
             )
 
     async def _sleep_or_wake(self, deadline: float) -> None:

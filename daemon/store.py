@@ -81,6 +81,15 @@ def _json(value: Any) -> str:
     return _encoder.encode(value).decode()
 
 
+def _detail(text: str) -> dict[str, Any]:
+    """Decode a history detail; a corrupt one is shown as its text rather than failing."""
+    try:
+        detail = msgspec.json.decode(text)
+    except msgspec.DecodeError as e:
+        return {"corrupt": text, "error": str(e)}
+    return detail if isinstance(detail, dict) else {"value": detail}
+
+
 @dataclass(slots=True)
 class WorkflowRow:
     """One workflow as stored: its data and engine state as JSON text."""
@@ -492,9 +501,7 @@ class Store:
             " ORDER BY seq DESC LIMIT ?",
             (workflow_id, limit),
         )
-        return [
-            HistoryRow(i, w, at, k, msgspec.json.decode(d)) for i, w, at, k, d in reversed(rows)
-        ]
+        return [HistoryRow(i, w, at, k, _detail(d)) for i, w, at, k, d in reversed(rows)]
 
     async def inbox_pending(self, workflow_id: str | None = None) -> builtins.list[InboxRow]:
         """Return the callbacks not yet applied (of one workflow, or all), oldest first."""
@@ -504,9 +511,13 @@ class Store:
         else:
             sql = f"SELECT {cols} FROM inbox WHERE workflow_id = ? ORDER BY id"
             rows = await self._read(sql, (workflow_id,))
-        return [
-            InboxRow(i, w, e, t, pc, msgspec.json.decode(x), at) for i, w, e, t, pc, x, at in rows
-        ]
+        out = []
+        for i, w, e, t, pc, x, at in rows:
+            try:
+                out.append(InboxRow(i, w, e, t, pc, msgspec.json.decode(x), at))
+            except msgspec.DecodeError as err:  # one bad row must not stop recovery
+                log.error("inbox_corrupt", inbox_id=i, workflow_id=w, event_name=e, error=str(err))
+        return out
 
     async def counts(self) -> dict[str, int]:
         """Return how many workflows are in each status."""

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
-from tests.harness import Daemon, running_daemon, wait_status
+from tests.harness import Client, Daemon, running_daemon, wait_status, write_config
 from tests.torture import MODULES, Plan, torture
 
 
@@ -32,6 +34,8 @@ async def logged(
             found = [r for r in d.records() if r.get("event") == event]
             if len(found) >= count:
                 return found
+            if d.proc is not None and d.proc.poll() is not None:
+                raise AssertionError(f"workflowd died waiting for {event}:\n{d.output()}")
             await anyio.sleep(0.02)
 
 
@@ -92,3 +96,145 @@ class TestHangingStep:
                 if d.proc.poll() is None:
                     await d.kill()
             assert d.proc.returncode == 0
+
+
+def waits_of(shown: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Return a shown workflow's wait events by event name."""
+    threads = shown["state"]["threads"]
+    return {ev["req"]["name"]: ev for t in threads for ev in t["wait_events"]}
+
+
+async def shown_when(
+    c: Client, workflow_id: str, check: Callable[[dict[str, Any]], bool], limit_s: float = 20
+) -> dict[str, Any]:
+    """Poll `show` (bounded) until `check` holds for the workflow; return it."""
+    with anyio.fail_after(limit_s):
+        while True:
+            shown: dict[str, Any] = await c.call("show", workflow_id=workflow_id)
+            if check(shown):
+                return shown
+            await anyio.sleep(0.02)
+
+
+class TestHandlerFailures:
+    """A handler whose setup or teardown raises never takes the runtime down."""
+
+    async def test_setup_and_teardown_errors_retried(self, tmp_path: Path) -> None:
+        """Errors are recorded on the wait, retried with growing backoff, and then clear."""
+        marker = tmp_path / "touchy"
+        setup, teardown = anyio.Path(f"{marker}.setup"), anyio.Path(f"{marker}.teardown")
+        await setup.touch()
+        async with running_daemon(tmp_path, MODULES) as d, d.client() as c:
+            input = {"id": "p", "marker": str(marker)}
+            await c.call("start", workflow="Picky", workflow_id="p", input=input)
+            failed = await logged(d, "handler_failed", 3)
+            delays = [r["retry_in_s"] for r in failed]
+            assert delays == sorted(delays) and delays[0] < delays[-1]
+            shown = await c.call("show", workflow_id="p")
+            touch = waits_of(shown)["touch"]
+            assert touch["status"] == "SetupError" and "setup refused" in touch["error"]
+            assert "setup refused" in shown["error"]
+
+            await setup.unlink()
+            await shown_when(c, "p", lambda s: waits_of(s)["touch"]["status"] == "Setup")
+            await teardown.touch()
+            assert await c.call("send", workflow_id="p", event="go") is None
+            shown = await shown_when(c, "p", lambda s: "touch" in waits_of(s) and s["error"])
+            assert waits_of(shown)["touch"]["status"] == "TeardownError"
+            assert "teardown refused" in shown["error"] and shown["data"]["stage"] == 1
+            assert shown["waiting_for"] == ["go2"]
+
+            await teardown.unlink()
+            await shown_when(c, "p", lambda s: "touch" not in waits_of(s) and not s["error"])
+            await c.call("send", workflow_id="p", event="go2")
+            shown = await wait_status(c, "p", "Finished")
+            assert shown["data"]["stage"] == 2
+            assert (await c.request("ping"))["ok"]
+
+    async def test_listener_that_cannot_bind_is_retried(self, tmp_path: Path) -> None:
+        """A SocketListen whose address is taken after a restart is retried, not fatal."""
+        path = tmp_path / "door.sock"
+        d = Daemon(tmp_path, write_config(tmp_path, MODULES))
+        await d.start()
+        try:
+            async with d.client() as c:
+                input = {"id": "door", "path": str(path), "patience_s": 600}
+                await c.call("start", workflow="Door", workflow_id="door", input=input)
+                await wait_status(c, "door", "Waiting")
+            assert await d.stop() == 0
+            async with await anyio.create_unix_listener(path) as squatter:
+                await d.start()
+                (failed,) = await logged(d, "listen_failed")
+                assert failed["event_name"] == "knock" and failed["workflow_id"] == "door"
+                async with d.client() as c:
+                    assert (await c.request("ping"))["ok"]
+            del squatter
+            with anyio.fail_after(20):
+                while True:  # the listener is retried with backoff; knock once it is back
+                    try:
+                        async with await anyio.connect_unix(path) as s:
+                            await s.send(b'"hello"\n')
+                            assert b'"ok":true' in await s.receive()
+                            break
+                    except OSError:
+                        await anyio.sleep(0.05)
+            async with d.client() as c:
+                shown = await wait_status(c, "door", "Finished")
+                assert shown["data"]["how"] == "knock"
+        finally:
+            if d.proc is not None and d.proc.poll() is None:
+                await d.stop()
+
+
+class TestCorruptRows:
+    """A broken row is marked and skipped; the daemon serves every other workflow."""
+
+    async def test_corrupt_rows_skipped(self, tmp_path: Path) -> None:
+        """Invalid JSON, wrong types and an unknown type are explained by `show`."""
+        d = Daemon(tmp_path, write_config(tmp_path, MODULES))
+        ids = ("good", "bad_data", "bad_state", "ghost", "bad_types")
+        await d.start()
+        try:
+            async with d.client() as c:
+                for wid in ids:
+                    await c.call("start", workflow="Collector", workflow_id=wid, input={"id": wid})
+                for wid in ids:
+                    await wait_status(c, wid, "Waiting")
+            assert await d.stop() == 0
+            with sqlite3.connect(tmp_path / "wd.db") as db:
+                for sql in (
+                    "UPDATE workflows SET data = '{not json' WHERE id = 'bad_data'",
+                    "UPDATE workflows SET state = '[1,' WHERE id = 'bad_state'",
+                    "UPDATE workflows SET name = 'Vanished' WHERE id = 'ghost'",
+                    """UPDATE workflows SET data = '{"got": "x"}' WHERE id = 'bad_types'""",
+                ):
+                    db.execute(sql)
+                for raw in ("{broken", "7"):
+                    db.execute(
+                        "INSERT INTO inbox (workflow_id, event, thread_id, pc, input, created_at)"
+                        " VALUES ('good', 'add', '', 0, ?, 0)",
+                        (raw,),
+                    )
+            db.close()
+            await d.start()
+            async with d.client() as c:
+                for wid, why in (
+                    ("bad_data", "corrupt"),
+                    ("bad_state", "corrupt"),
+                    ("ghost", "Vanished"),
+                    ("bad_types", "corrupt"),
+                ):
+                    shown = await c.call("show", workflow_id=wid)
+                    assert why in (shown["error"] or ""), shown
+                    response = await c.request("send", workflow_id=wid, event="add", input=1)
+                    assert not response["ok"]
+                assert len(await c.call("list")) == len(ids)
+                await shown_when(c, "good", lambda s: s["data"]["got"] == [7])
+                assert await c.call("send", workflow_id="good", event="add", input=8) == 2
+                await c.call("send", workflow_id="good", event="close")
+                await wait_status(c, "good", "Finished")
+            events = [r["event"] for r in d.records()]
+            assert events.count("workflow_corrupt") >= 4
+        finally:
+            if d.proc is not None and d.proc.poll() is None:
+                await d.stop()
