@@ -8,6 +8,7 @@ import socket
 import sys
 import tomllib
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -187,10 +188,13 @@ def pretty(value: Any) -> str:
     return msgspec.json.format(proto.encode(value), indent=2).decode().rstrip()
 
 
-def cell(value: Any) -> str:
-    """Return a value as one table cell."""
+def cell(value: Any, column: str = "") -> str:
+    """Return a value as one table cell; times (`at`, `*_at`) in seconds become local time."""
     if value is None:
         return ""
+    is_time = column == "at" or column.endswith("_at")
+    if is_time and isinstance(value, int | float) and not isinstance(value, bool):
+        return datetime.fromtimestamp(value).strftime("%Y-%m-%d %H:%M:%S")
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return ", ".join(value)
     text = value if isinstance(value, str) else compact(value)
@@ -199,7 +203,7 @@ def cell(value: Any) -> str:
 
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     """Return rows as an aligned text table with a header."""
-    grid = [[c.upper() for c in columns]] + [[cell(r.get(c)) for c in columns] for r in rows]
+    grid = [[c.upper() for c in columns]] + [[cell(r.get(c), c) for c in columns] for r in rows]
     widths = [max(len(line[i]) for line in grid) for i in range(len(columns))]
     return "\n".join(
         "  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip() for line in grid
@@ -227,6 +231,8 @@ def show(command: str, result: Any) -> str:
         case "history", list(rows):
             columns = list(dict.fromkeys(k for r in rows if isinstance(r, dict) for k in r))
             return table(rows, columns) if rows else "no history"
+        case "send", str(text):
+            return text
     return pretty(result)
 
 

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import anyio
 import msgspec
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from daemon.ctl import cell, table
+from daemon.ctl import cell, show, table
 
 from .test_control import REPO, MemoryBackend, backend, running, sockdir
 
@@ -222,6 +223,13 @@ class TestFormatting:
         assert cell(["a", "b"]) == "a, b"
         assert cell({"k": [1]}) == '{"k":[1]}'
         assert cell("two\nlines") == "two\\nlines"
+        assert cell(0.5, "updated_at") == datetime.fromtimestamp(0.5).strftime("%Y-%m-%d %H:%M:%S")
+        assert cell("2024-01-01", "at") == "2024-01-01"
+
+    def test_plain_text_reply(self) -> None:
+        """A handler reply that is a string prints as is; anything else as indented JSON."""
+        assert show("send", "approved by ann") == "approved by ann"
+        assert show("send", {"a": 1}) == '{\n  "a": 1\n}'
 
     def test_table_aligns_columns(self) -> None:
         """Every column starts at the same offset on every line."""
