@@ -154,28 +154,10 @@ def socket_path(args: argparse.Namespace) -> Path:
 
 
 def build_request(args: argparse.Namespace) -> proto.AnyRequest:
-    """Turn the parsed command line into a request."""
-    a = args
-    match a.command:
-        case "ping":
-            return proto.Ping(id=1)
-        case "start":
-            return proto.Start(id=1, workflow=a.workflow, workflow_id=a.workflow_id, input=a.input)
-        case "send":
-            return proto.Send(
-                id=1, workflow_id=a.workflow_id, event=a.event, input=a.input,
-                thread_id=a.thread_id, pc=a.pc, wait=a.wait,
-            )  # fmt: skip
-        case "list":
-            return proto.List(id=1, status=a.status, workflow=a.workflow, limit=a.limit)
-        case "show":
-            return proto.Show(id=1, workflow_id=a.workflow_id)
-        case "history":
-            return proto.History(id=1, workflow_id=a.workflow_id, limit=a.limit)
-        case "cancel":
-            return proto.Cancel(id=1, workflow_id=a.workflow_id)
-        case _:
-            return proto.Logs(id=1, follow=a.follow, workflow_id=a.workflow_id)
+    """Turn the parsed command line into a request (each option's dest is the field's name)."""
+    cls = proto.REQUESTS[args.command]
+    fields = {name: getattr(args, name) for name in cls.__struct_fields__ if name != "id"}
+    return cls(id=1, **fields)
 
 
 def compact(value: Any) -> str:

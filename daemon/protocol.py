@@ -104,7 +104,9 @@ class Logs(Request, tag="logs"):
 
 
 AnyRequest = Ping | Start | Send | List | Show | History | Cancel | Logs
-OPS = frozenset(t.__struct_config__.tag for t in AnyRequest.__args__)
+#: Each op's request type.
+REQUESTS: dict[str, type[AnyRequest]] = {t.__struct_config__.tag: t for t in AnyRequest.__args__}
+OPS = frozenset(REQUESTS)
 
 # Values JSON cannot hold (a Path in a log record, say) are sent as their str().
 _encoder = msgspec.json.Encoder(enc_hook=str)

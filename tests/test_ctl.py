@@ -13,9 +13,11 @@ from typing import Any
 
 import anyio
 import msgspec
+import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from daemon.ctl import cell, show, table
+from daemon.ctl import build_parser, build_request, cell, show, table
+from daemon.protocol import Cancel, History, List, Logs, Ping, Send, Show, Start
 
 from .test_control import REPO, MemoryBackend, backend, running, sockdir
 
@@ -214,6 +216,34 @@ class TestLogs:
                     assert await process.wait() == 130
                 errors = b"".join([chunk async for chunk in process.stderr])
         assert errors == b""
+
+
+class TestBuildRequest:
+    @pytest.mark.parametrize(
+        ("argv", "expected"),
+        [
+            (["ping"], Ping(id=1)),
+            (
+                ["start", "W", "--id", "i", "--input", "{}"],
+                Start(id=1, workflow="W", workflow_id="i", input={}),
+            ),
+            (
+                ["send", "i", "e", "--input", "3", "--no-wait", "--thread", "t", "--pc", "4"],
+                Send(id=1, workflow_id="i", event="e", input=3, thread_id="t", pc=4, wait=False),
+            ),
+            (
+                ["list", "--status", "s", "--workflow", "W", "--limit", "5"],
+                List(id=1, status="s", workflow="W", limit=5),
+            ),
+            (["show", "i"], Show(id=1, workflow_id="i")),
+            (["history", "i", "--limit", "7"], History(id=1, workflow_id="i", limit=7)),
+            (["cancel", "i"], Cancel(id=1, workflow_id="i")),
+            (["logs", "-f", "--workflow", "i"], Logs(id=1, follow=True, workflow_id="i")),
+        ],
+    )
+    def test_every_option_reaches_the_request(self, argv: list[str], expected: Any) -> None:
+        """Each command's options land in the matching request fields."""
+        assert build_request(build_parser().parse_args(argv)) == expected
 
 
 class TestFormatting:
