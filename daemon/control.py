@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import grp
 import importlib.metadata
@@ -12,6 +13,7 @@ import stat
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, assert_never
 
@@ -165,12 +167,10 @@ async def _remove_stale(path: Path) -> None:
 
 
 def _unlink_if_same(path: Path, created: os.stat_result) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         now = os.lstat(path)
         if (now.st_dev, now.st_ino) == (created.st_dev, created.st_ino):
             os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _peer_groups(uid: int, gid: int) -> set[int]:
@@ -180,21 +180,17 @@ def _peer_groups(uid: int, gid: int) -> set[int]:
         return {gid}
 
 
+@dataclass
 class _Control:
     """Per-server state: limits, the allow-list and the count of open connections."""
 
-    def __init__(
-        self,
-        backend: Backend,
-        uids: set[int],
-        gids: set[int],
-        max_bytes: int,
-        conns: int,
-        idle: float,
-    ) -> None:
-        self.backend, self.uids, self.gids = backend, uids, gids
-        self.max_bytes, self.max_conns, self.idle = max_bytes, conns, idle
-        self.active = 0
+    backend: Backend
+    uids: set[int]
+    gids: set[int]
+    max_bytes: int
+    max_conns: int
+    idle: float
+    active: int = 0
 
     async def accept_loop(self, listener: anyio.abc.SocketListener) -> None:
         """Accept clients forever; running out of file descriptors must not stop the server."""
@@ -238,12 +234,10 @@ class _Control:
             self.active -= 1
 
     async def _allowed(self, uid: int, gid: int) -> bool:
-        if uid in self.uids:
+        if uid in self.uids or gid in self.gids:
             return True
         if not self.gids:
             return False
-        if gid in self.gids:
-            return True
         groups = await anyio.to_thread.run_sync(_peer_groups, uid, gid)
         return not self.gids.isdisjoint(groups)
 
