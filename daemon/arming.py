@@ -19,6 +19,7 @@ log = structlog.get_logger()
 #: An armed wait: workflow id, thread id, event name, pc.
 Key = tuple[str, str, str, int]
 #: Submits a callback for an armed wait; `wait` says whether to await its result.
+#: With `wait=False` it only queues the callback and must not block: timers fire inline.
 Submit = Callable[[CallbackRequest, Any, bool], Coroutine[Any, Any, Any]]
 
 LISTEN_RETRY_MAX_S = 60.0
@@ -140,7 +141,8 @@ class Arms:
                     continue  # disarmed or re-armed since
                 self.disarm(key)
                 req = CallbackRequest(key[0], key[1], key[2], key[3])
-                self._tg.start_soon(self._fire, req, {"deadline": due, "fired_at": now})
+                # Inline, not a task per timer: a burst of due timers stays cheap.
+                await self._fire(req, {"deadline": due, "fired_at": now})
 
     async def _fire(self, req: CallbackRequest, input: dict[str, float]) -> None:
         try:
