@@ -1,0 +1,513 @@
+"""Handlers end to end: each kind fires, is torn down when another case wins, and survives a restart.
+
+In-process tests run a real Runtime on a real SQLite store (a fake clock where timer logic
+needs it); the rest run a real `workflowd` process. Files, inotify and sockets are real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sqlite3
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import pytest
+from structlog.testing import capture_logs
+
+from daemon.clock import FakeClock
+from daemon.errors import CallbackNotFound, StaleCallback
+from daemon.runtime import Runtime
+from daemon.store import Store
+from tests.handler_workflows import Guarded, Race
+from tests.harness import Daemon, running_daemon, wait_status
+
+MODULES = ["tests.handler_workflows"]
+REGISTRY: dict[str, type[Any]] = {c.name: c for c in (Guarded, Race)}
+
+
+@asynccontextmanager
+async def running(db: Path, clock: FakeClock | None = None) -> AsyncIterator[Runtime]:
+    """Open a store and a runtime on it for the body of the block."""
+    async with Store.open(db) as store, Runtime.open(store, REGISTRY, clock=clock) as rt:
+        yield rt
+
+
+async def settled(rt: Runtime, wid: str, status: str) -> dict[str, Any]:
+    """Wait (bounded) until a workflow reaches `status`, then return `show`."""
+    with anyio.fail_after(10):
+        while True:
+            await rt.wait_idle()
+            shown = await rt.show(wid)
+            if shown["status"] == status:
+                return shown
+            await anyio.sleep(0.01)
+
+
+async def until(cond: Callable[[], bool], limit_s: float = 10.0) -> None:
+    """Poll a condition on files, fds or the runtime until it holds (bounded)."""
+    with anyio.fail_after(limit_s):
+        while not cond():  # noqa: ASYNC110 - /proc and the file system have no event to await
+            await anyio.sleep(0.01)
+
+
+def fds(pid: int | str = "self") -> Counter[str]:
+    """Count a process's open inotify and socket file descriptors."""
+    kinds: Counter[str] = Counter()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed while listing
+        if target == "anon_inode:inotify":
+            kinds["inotify"] += 1
+        elif target.startswith("socket:"):
+            kinds["socket"] += 1
+    return kinds
+
+
+def unix_listening(path: Path) -> bool:
+    """Tell whether any socket in this network namespace is bound to `path`."""
+    with open("/proc/net/unix") as f:
+        return any(line.split()[-1] == str(path) for line in f.readlines()[1:] if line.split()[7:])
+
+
+def listen_tasks() -> int:
+    """Count the runtime's listen tasks still running in this event loop."""
+    return sum(1 for t in anyio.get_running_tasks() if (t.name or "").endswith("Arms._listen"))
+
+
+async def exchange(path: Path | None = None, port: int | None = None, line: bytes = b"") -> Any:
+    """Connect to a SocketListen, send one line and return its JSON reply."""
+    with anyio.fail_after(10):
+        stream: anyio.abc.SocketStream
+        if path is not None:
+            stream = await anyio.connect_unix(path)
+        else:
+            stream = await anyio.connect_tcp("127.0.0.1", port or 0)
+        async with stream:
+            await stream.send(line + b"\n")
+            data = b""
+            while not data.endswith(b"\n"):
+                data += await stream.receive()
+    return json.loads(data)
+
+
+def free_port() -> int:
+    """Return a TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class TestTimer:
+    """Timer, through the runtime's heap with a fake clock."""
+
+    async def test_fires_with_deadline(self, tmp_path: Path) -> None:
+        """The timer case runs once the clock passes the deadline; the input carries both times."""
+        clock = FakeClock()
+        async with running(tmp_path / "wf.db", clock) as rt:
+            start = clock.now()
+            await rt.start("Guarded", "t", {"kind": "timer", "after": 60})
+            await settled(rt, "t", "Waiting")
+            assert len(rt.arms) == 1
+            clock.advance(61)
+            shown = await settled(rt, "t", "Finished")
+            assert shown["data"]["ran"] == ["it"]
+            assert shown["data"]["seen"]["got"] == {"deadline": start + 60, "fired_at": start + 61}
+            assert len(rt.arms) == 0
+
+    async def test_disarmed_when_signal_wins(self, tmp_path: Path) -> None:
+        """A stop signal wins; the timer is disarmed and its deadline passing does nothing."""
+        clock = FakeClock()
+        async with running(tmp_path / "wf.db", clock) as rt:
+            await rt.start("Guarded", "t", {"kind": "timer", "after": 60})
+            await settled(rt, "t", "Waiting")
+            assert await rt.send("t", "stop", "done") == "stopped: done"
+            await settled(rt, "t", "Finished")
+            assert len(rt.arms) == 0
+            with capture_logs() as logs:
+                clock.advance(3600)
+                await anyio.sleep(0.05)  # give a wrongly armed timer the chance to fire
+                await rt.wait_idle()
+            assert [e for e in logs if e.get("event_name") == "it"] == []
+            assert (await rt.show("t"))["data"]["ran"] == ["stop"]
+
+    async def test_restart_keeps_the_stored_deadline(self, tmp_path: Path) -> None:
+        """A deadline that passed while down fires on restart, with the deadline set up before."""
+        db, clock = tmp_path / "wf.db", FakeClock()
+        async with running(db, clock) as rt:
+            start = clock.now()
+            await rt.start("Guarded", "t", {"kind": "timer", "after": 60})
+            await settled(rt, "t", "Waiting")
+        clock.advance(7200)
+        async with running(db, clock) as rt:
+            shown = await settled(rt, "t", "Finished")
+            assert shown["data"]["ran"] == ["it"]
+            assert shown["data"]["seen"]["got"]["deadline"] == start + 60
+
+
+class TestFileWatch:
+    """FileWatch, with real files and inotify, in process."""
+
+    async def test_created_fires(self, tmp_path: Path) -> None:
+        """Creating the file fires the case with its path; the watch is closed afterwards."""
+        target = tmp_path / "drop" / "x.txt"
+        target.parent.mkdir()
+        base = fds()["inotify"]
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Guarded", "f", {"kind": "file", "path": str(target)})
+            await settled(rt, "f", "Waiting")
+            await until(lambda: fds()["inotify"] == base + 1)
+            target.write_text("hi")
+            shown = await settled(rt, "f", "Finished")
+            assert shown["data"]["seen"]["got"] == {"path": str(target), "change": "created"}
+            await until(lambda: fds()["inotify"] == base and listen_tasks() == 0)
+            assert len(rt.arms) == 0
+
+    async def test_watch_removed_when_signal_wins(self, tmp_path: Path) -> None:
+        """A stop signal wins; the inotify watch and the listen task are gone."""
+        target = tmp_path / "x.txt"
+        base = fds()["inotify"]
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Guarded", "f", {"kind": "file", "path": str(target)})
+            await settled(rt, "f", "Waiting")
+            await until(lambda: fds()["inotify"] == base + 1)
+            await rt.send("f", "stop", "done")
+            await settled(rt, "f", "Finished")
+            assert len(rt.arms) == 0
+            await until(lambda: fds()["inotify"] == base and listen_tasks() == 0)
+            target.write_text("late")
+            await anyio.sleep(0.1)  # a leftover watch would deliver within its 50 ms debounce
+            await rt.wait_idle()
+            assert (await rt.show("f"))["data"]["ran"] == ["stop"]
+
+    async def test_exists_true_at_restart_fires(self, tmp_path: Path) -> None:
+        """A file created while the runtime was down fires `exists` as soon as it is re-armed."""
+        db, target = tmp_path / "wf.db", tmp_path / "flag"
+        async with running(db) as rt:
+            await rt.start("Guarded", "f", {"kind": "file", "path": str(target), "on": "exists"})
+            await settled(rt, "f", "Waiting")
+        target.touch()
+        async with running(db) as rt:
+            shown = await settled(rt, "f", "Finished")
+            assert shown["data"]["seen"]["got"] == {"path": str(target), "change": "exists"}
+
+
+class TestSocketListen:
+    """SocketListen, with real Unix and TCP sockets, in process."""
+
+    async def test_fires_and_replies(self, tmp_path: Path) -> None:
+        """The first line fires the case, the client gets the output, the socket file goes."""
+        sock = tmp_path / "in.sock"
+        base = fds()["socket"]
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Guarded", "s", {"kind": "socket", "path": str(sock)})
+            await until(sock.exists)
+            assert await exchange(sock, line=b'{"a": 1}') == {"ok": True, "result": {"a": 1}}
+            shown = await settled(rt, "s", "Finished")
+            assert shown["data"]["seen"]["got"] == {"a": 1}
+            await until(lambda: listen_tasks() == 0 and fds()["socket"] == base)
+            assert not sock.exists() and not unix_listening(sock)
+
+    async def test_listener_gone_when_signal_wins(self, tmp_path: Path) -> None:
+        """A stop signal wins; the listener is closed and its socket file removed."""
+        sock = tmp_path / "in.sock"
+        base = fds()["socket"]
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Guarded", "s", {"kind": "socket", "path": str(sock)})
+            await until(lambda: unix_listening(sock))
+            await rt.send("s", "stop", "done")
+            await settled(rt, "s", "Finished")
+            assert len(rt.arms) == 0
+            await until(lambda: listen_tasks() == 0 and fds()["socket"] == base)
+            assert not sock.exists() and not unix_listening(sock)
+            with pytest.raises(OSError):
+                await anyio.connect_unix(sock)
+
+    async def test_tcp_closed_when_signal_wins(self, tmp_path: Path) -> None:
+        """A TCP listener fires when it is the winner and refuses connections once torn down."""
+        port = free_port()
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Guarded", "a", {"kind": "socket", "port": port})
+            assert await _tcp_exchange(port, b"plain text") == {"ok": True, "result": "plain text"}
+            assert (await settled(rt, "a", "Finished"))["data"]["ran"] == ["it"]
+            await rt.start("Guarded", "b", {"kind": "socket", "port": port})
+            await _tcp_ready(port)
+            await rt.send("b", "stop", "done")
+            await settled(rt, "b", "Finished")
+            await until(lambda: listen_tasks() == 0)
+            with pytest.raises(OSError):
+                await anyio.connect_tcp("127.0.0.1", port)
+
+    async def test_reopened_after_restart(self, tmp_path: Path) -> None:
+        """A clean stop removes the socket file; the restarted runtime listens again."""
+        db, sock = tmp_path / "wf.db", tmp_path / "in.sock"
+        async with running(db) as rt:
+            await rt.start("Guarded", "s", {"kind": "socket", "path": str(sock)})
+            await until(sock.exists)
+        assert not sock.exists()
+        async with running(db) as rt:
+            await until(sock.exists)
+            assert await exchange(sock, line=b"7") == {"ok": True, "result": 7}
+            assert (await settled(rt, "s", "Finished"))["data"]["ran"] == ["it"]
+
+
+async def _tcp_ready(port: int) -> None:
+    """Wait (bounded) until something accepts on `port`; the probe sends nothing and leaves."""
+    with anyio.fail_after(10):
+        while True:
+            try:
+                stream = await anyio.connect_tcp("127.0.0.1", port)
+            except OSError:
+                await anyio.sleep(0.01)
+                continue
+            await stream.aclose()
+            return
+
+
+async def _tcp_exchange(port: int, line: bytes) -> Any:
+    await _tcp_ready(port)
+    return await exchange(port=port, line=line)
+
+
+class TestSignal:
+    """Signal, in process."""
+
+    async def test_fires_and_is_gone_when_other_case_wins(self, tmp_path: Path) -> None:
+        """A signal case replies; once the other case won, sending it is refused."""
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Guarded", "a")
+            assert await rt.send("a", "it", [1]) == {"echo": [1]}
+            assert (await settled(rt, "a", "Finished"))["data"]["ran"] == ["it"]
+            await rt.start("Guarded", "b")
+            await rt.send("b", "stop", "done")
+            with pytest.raises(CallbackNotFound):
+                await rt.send("b", "it", [2])
+            assert (await settled(rt, "b", "Finished"))["data"]["ran"] == ["stop"]
+
+
+class TestNoLeaks:
+    """Torn-down waits leave no arm, task, descriptor or socket file behind."""
+
+    async def test_everything_released(self, tmp_path: Path) -> None:
+        """Waits of every kind, ended by a winning signal or a cancel, release everything."""
+        base = fds()
+        socks = [tmp_path / f"s{n}.sock" for n in range(4)]
+        async with running(tmp_path / "wf.db") as rt:
+            for n in range(4):
+                await rt.start("Guarded", f"t{n}", {"kind": "timer", "after": 3600})
+                await rt.start("Guarded", f"f{n}", {"kind": "file", "path": str(tmp_path / "x")})
+                await rt.start("Guarded", f"s{n}", {"kind": "socket", "path": str(socks[n])})
+                await rt.start("Guarded", f"g{n}", {"kind": "signal"})
+            await until(lambda: all(s.exists() for s in socks) and fds()["inotify"] == 4)
+            assert len(rt.arms) == 12 and listen_tasks() == 8
+            for n in range(4):
+                for kind in "tfsg":
+                    if n % 2:
+                        await rt.cancel(f"{kind}{n}")
+                    else:
+                        await rt.send(f"{kind}{n}", "stop", "done")
+            await rt.wait_idle()
+            assert len(rt.arms) == 0
+            await until(lambda: listen_tasks() == 0 and fds() == base)
+            assert not any(s.exists() for s in socks)
+            statuses = Counter(w["status"] for w in await rt.list())
+            assert statuses == {"Finished": 8, "Cancelled": 8}
+
+
+class TestRace:
+    """A Timer and a Signal race in the same Wait: exactly one case wins every round."""
+
+    async def test_two_hundred_rounds(self, tmp_path: Path) -> None:
+        """Each round a poke is sent around the timer's deadline; each round has one winner."""
+        sent: dict[int, Any] = {}
+        refused: list[int] = []
+        pcs: set[int] = set()
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Race", "r", {"rounds": 200, "after": 0.005})
+            with anyio.fail_after(30):
+                while True:
+                    await rt.wait_idle()
+                    loaded = await rt.load("r")
+                    if loaded.state.status.value == "Finished":
+                        break
+                    wf = loaded.wf
+                    assert isinstance(wf, Race)
+                    n = wf.round
+                    (pc,) = {
+                        ev.req.pc
+                        for t in loaded.state.threads
+                        for ev in t.wait_events
+                        if ev.req.name == "poke"
+                    }
+                    pcs.add(pc)
+                    await anyio.sleep((n % 8) / 1000)  # 0..7 ms around the 5 ms deadline
+                    try:
+                        sent[n] = await rt.send("r", "poke", None, pc=pc)
+                    except (CallbackNotFound, StaleCallback):
+                        refused.append(n)
+            wf = (await rt.load("r")).wf
+            assert isinstance(wf, Race)
+            winners = wf.winners
+            assert len(rt.arms) == 0
+        rounds = [int(w.split(":")[0]) for w in winners]
+        assert rounds == list(range(200)), winners
+        by_signal = {r for r, w in zip(rounds, winners, strict=True) if w.endswith("signal")}
+        assert by_signal == set(sent)
+        assert all(sent[r] == r for r in sent)
+        assert not by_signal & set(refused)
+        assert 0 not in pcs  # pc 0 would switch off the stale check
+
+
+class TestInDaemon:
+    """Handlers inside a real workflowd process."""
+
+    async def test_timer_fires(self, tmp_path: Path) -> None:
+        """A short timer fires on the real clock and the data records the delivered times."""
+        async with running_daemon(tmp_path, MODULES) as d, d.client() as c:
+            await c.call("start", workflow="Guarded", workflow_id="t", input=timer(0.05))
+            shown = await wait_status(c, "t", "Finished")
+            got = shown["data"]["seen"]["got"]
+            assert shown["data"]["ran"] == ["it"] and got["fired_at"] >= got["deadline"]
+
+    async def test_file_created_fires_and_watch_closes(self, tmp_path: Path) -> None:
+        """Creating the file fires the case; the daemon's inotify descriptor is closed."""
+        target = tmp_path / "drop" / "x.txt"
+        target.parent.mkdir()
+        async with running_daemon(tmp_path, MODULES) as d, d.client() as c:
+            base = fds(pid(d))["inotify"]
+            await c.call("start", workflow="Guarded", workflow_id="f", input=watch(target))
+            await until(lambda: fds(pid(d))["inotify"] == base + 1)
+            target.write_text("hi")
+            shown = await wait_status(c, "f", "Finished")
+            assert shown["data"]["seen"]["got"] == {"path": str(target), "change": "created"}
+            await until(lambda: fds(pid(d))["inotify"] == base)
+
+    async def test_socket_fires_and_replies(self, tmp_path: Path) -> None:
+        """A client's line fires the case and gets the output back; the socket file goes."""
+        sock = tmp_path / "in.sock"
+        async with running_daemon(tmp_path, MODULES) as d, d.client() as c:
+            await c.call("start", workflow="Guarded", workflow_id="s", input=listen(sock))
+            await until(sock.exists)
+            assert await exchange(sock, line=b'{"n": 1}') == {"ok": True, "result": {"n": 1}}
+            assert (await wait_status(c, "s", "Finished"))["data"]["ran"] == ["it"]
+            await until(lambda: not sock.exists() and not unix_listening(sock))
+
+    async def test_signal_fires(self, tmp_path: Path) -> None:
+        """A signal sent over the control socket fires the case and its reply comes back."""
+        async with running_daemon(tmp_path, MODULES) as d, d.client() as c:
+            await c.call("start", workflow="Guarded", workflow_id="g", input={"kind": "signal"})
+            assert await c.call("send", workflow_id="g", event="it", input=3) == {"echo": 3}
+            assert (await wait_status(c, "g", "Finished"))["data"]["ran"] == ["it"]
+
+    async def test_losers_torn_down(self, tmp_path: Path) -> None:
+        """When stop wins, the watch, the listener and its socket file are all gone."""
+        sock, target = tmp_path / "in.sock", tmp_path / "x"
+        async with running_daemon(tmp_path, MODULES) as d, d.client() as c:
+            base = fds(pid(d))
+            await c.call("start", workflow="Guarded", workflow_id="f", input=watch(target))
+            await c.call("start", workflow="Guarded", workflow_id="s", input=listen(sock))
+            await c.call("start", workflow="Guarded", workflow_id="t", input=timer(0.3))
+            await until(
+                lambda: unix_listening(sock) and fds(pid(d))["inotify"] == base["inotify"] + 1
+            )
+            for wid in "fst":
+                assert (
+                    await c.call("send", workflow_id=wid, event="stop", input=wid)
+                    == f"stopped: {wid}"
+                )
+                assert (await wait_status(c, wid, "Finished"))["data"]["ran"] == ["stop"]
+            await until(lambda: fds(pid(d))["inotify"] == base["inotify"])
+            await until(lambda: not sock.exists() and not unix_listening(sock))
+            await anyio.sleep(0.4)  # past the timer's deadline: a leftover timer would fire now
+        fired = [r for r in d.records() if r.get("event_name") == "it"]
+        assert fired == []
+
+    async def test_restart(self, tmp_path: Path) -> None:
+        """After a restart: the overdue timer and the true `exists` fire, the socket reopens."""
+        sock, flag = tmp_path / "in.sock", tmp_path / "flag"
+        async with running_daemon(tmp_path, MODULES) as d:
+            async with d.client() as c:
+                await c.call("start", workflow="Guarded", workflow_id="t", input=timer(1.0))
+                await c.call("start", workflow="Guarded", workflow_id="f", input=exists(flag))
+                await c.call("start", workflow="Guarded", workflow_id="s", input=listen(sock))
+                await until(sock.exists)
+                await wait_status(c, "t", "Waiting")
+                deadline = setup_deadline(await c.call("show", workflow_id="t"))
+            assert await d.stop() == 0
+            assert not sock.exists()
+            assert stored_status(tmp_path, "t") == "Waiting"  # it did not fire before the stop
+            flag.touch()
+            await until(lambda: time.time() > deadline + 0.05)
+            await d.start()
+            async with d.client() as c:
+                shown = await wait_status(c, "t", "Finished")
+                assert shown["data"]["seen"]["got"]["deadline"] == deadline
+                shown = await wait_status(c, "f", "Finished")
+                assert shown["data"]["seen"]["got"] == {"path": str(flag), "change": "exists"}
+                await until(sock.exists)
+                assert await exchange(sock, line=b"again") == {"ok": True, "result": "again"}
+                await wait_status(c, "s", "Finished")
+
+    async def test_socket_reopened_after_sigkill(self, tmp_path: Path) -> None:
+        """A socket file left by a crash is replaced by the restarted daemon's listener."""
+        sock = tmp_path / "in.sock"
+        async with running_daemon(tmp_path, MODULES) as d:
+            async with d.client() as c:
+                await c.call("start", workflow="Guarded", workflow_id="s", input=listen(sock))
+                await until(sock.exists)
+            await d.kill()
+            assert sock.exists() and not unix_listening(sock)
+            await d.start()
+            await until(lambda: unix_listening(sock))
+            assert await exchange(sock, line=b"1") == {"ok": True, "result": 1}
+            async with d.client() as c:
+                await wait_status(c, "s", "Finished")
+
+
+def pid(d: Daemon) -> int:
+    """Return the daemon's process id."""
+    assert d.proc is not None
+    return d.proc.pid
+
+
+def timer(after: float) -> dict[str, Any]:
+    """Input for a Guarded timer case."""
+    return {"kind": "timer", "after": after}
+
+
+def watch(path: Path) -> dict[str, Any]:
+    """Input for a Guarded FileWatch(created) case."""
+    return {"kind": "file", "path": str(path)}
+
+
+def exists(path: Path) -> dict[str, Any]:
+    """Input for a Guarded FileWatch(exists) case."""
+    return {"kind": "file", "path": str(path), "on": "exists"}
+
+
+def listen(path: Path) -> dict[str, Any]:
+    """Input for a Guarded SocketListen(path) case."""
+    return {"kind": "socket", "path": str(path)}
+
+
+def setup_deadline(shown: dict[str, Any]) -> float:
+    """Return the deadline the timer case stored at setup."""
+    events = [ev for t in shown["state"]["threads"] for ev in t["wait_events"]]
+    (req,) = [ev["req"] for ev in events if ev["req"]["name"] == "it"]
+    return float(json.loads(req["setup_data"])["deadline"])
+
+
+def stored_status(tmp: Path, wid: str) -> str:
+    """Read a workflow's status straight from the stopped daemon's database."""
+    with sqlite3.connect(tmp / "wd.db") as conn:
+        (status,) = conn.execute("SELECT status FROM workflows WHERE id = ?", (wid,)).fetchone()
+    return str(status)
