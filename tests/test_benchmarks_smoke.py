@@ -30,7 +30,7 @@ class TestRuntimeBench:
     async def test_in_process_and_daemon(self, tmp_path: Path) -> None:
         """Both modes report sync and async steps/s for both shapes."""
         shapes = {"one_workflow": (1, 5, 1.0), "many_workflows": (3, 2, 1.0)}
-        figures = await bench_runtime.run(tmp_path, shapes=shapes, repeats=1)
+        figures = await bench_runtime.run(tmp_path, shapes=shapes, repeats=1, cache_loggers=False)
         _check(
             "bench_runtime",
             figures,

@@ -88,11 +88,12 @@ async def run(
     shapes: dict[str, tuple[int, int, float]] | None = None,
     repeats: int = REPEATS,
     daemon: bool = True,
+    cache_loggers: bool = True,
 ) -> list[dict[str, Any]]:
     """Measure steps/s (median of `repeats`) in process and through a real workflowd."""
     shapes = shapes or SHAPES
     figures = []
-    with production_logging():
+    with production_logging(cache_loggers):
         for shape, (workflows, steps, _) in shapes.items():
             for kind, cls in KINDS.items():
                 rates = [

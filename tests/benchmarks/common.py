@@ -22,16 +22,17 @@ MODULES = ["tests.benchmarks.bench_workflows"]
 
 
 @contextmanager
-def production_logging() -> Iterator[None]:
+def production_logging(cache: bool = True) -> Iterator[None]:
     """Log as workflowd does (JSON lines at info, plus the live hub) into /dev/null, then restore.
 
-    Loggers are not cached so that the previous configuration comes back whole afterwards.
+    workflowd caches loggers; pass `cache=False` inside a test process, or module loggers used
+    during the block would keep writing to /dev/null afterwards.
     """
     saved = structlog.get_config()
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     with open(os.devnull, "w") as sink:
-        configure_logging("info", "json", stream=sink, cache=False, hub=LogHub())
+        configure_logging("info", "json", stream=sink, cache=cache, hub=LogHub())
         try:
             yield
         finally:
