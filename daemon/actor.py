@@ -156,6 +156,11 @@ class Actor:
                 "checkpoint_failed" if isinstance(e, sqlite3.Error | OSError) else "workflow_error"
             )
             log.error(event, error=f"{type(e).__name__}: {e}", retry_in_s=delay)
+            # Callers waiting for an answer get an error now rather than after the disk (or the
+            # lock) comes back; inbox items are durable and stay queued.
+            self._reject_waiting(
+                Unavailable(f"cannot save workflow state: {type(e).__name__}: {e}")
+            )
             self.rt.forget(self.workflow_id)
             self._history.clear()
             self._inbox_done.clear()
@@ -370,6 +375,12 @@ class Actor:
             reply.fail(Unavailable(f"callback not stored: {type(e).__name__}: {e}"))
             raise
         reply.set(out)
+
+    def _reject_waiting(self, error: WorkflowError) -> None:
+        for item in [i for i in self.items if i.kind == "callback" and i.inbox_id is None]:
+            if item.reply is not None:
+                self.items.remove(item)
+                item.reply.fail(error)
 
     def _reject_all(self, error: WorkflowError) -> None:
         while self.items:

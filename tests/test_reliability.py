@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import sqlite3
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +28,16 @@ class TestCrashTorture:
 
 
 async def logged(
-    d: Daemon, event: str, count: int = 1, limit_s: float = 20
+    d: Daemon, event: str, count: int = 1, limit_s: float = 20, **match: Any
 ) -> list[dict[str, Any]]:
-    """Poll the daemon's log (bounded) until `event` was logged `count` times; return those."""
+    """Poll the daemon's log (bounded) until `event` (with `match`) was logged `count` times."""
     with anyio.fail_after(limit_s):
         while True:
-            found = [r for r in d.records() if r.get("event") == event]
+            found = [
+                r
+                for r in d.records()
+                if r.get("event") == event and all(r.get(k) == v for k, v in match.items())
+            ]
             if len(found) >= count:
                 return found
             if d.proc is not None and d.proc.poll() is not None:
@@ -238,3 +244,78 @@ class TestCorruptRows:
         finally:
             if d.proc is not None and d.proc.poll() is None:
                 await d.stop()
+
+
+@asynccontextmanager
+async def small_disk(where: Path, size: str = "16m") -> AsyncIterator[Path]:
+    """Mount a small tmpfs at `where` (root only; the test is skipped where mount is refused)."""
+    await anyio.Path(where).mkdir()
+    mount = await anyio.run_process(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], check=False
+    )
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        await anyio.run_process(["umount", "-l", str(where)], check=False)
+
+
+def fill(disk: Path) -> Path:
+    """Fill the file system of `disk` with a ballast file until the next write fails."""
+    ballast = disk / "ballast"
+    with ballast.open("wb", buffering=0) as f:
+        for chunk in (1 << 20, 4096, 1):
+            try:
+                while True:
+                    f.write(b"\0" * chunk)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC, e
+    return ballast
+
+
+class TestDiskFull:
+    """Checkpoints on a full disk fail clearly, are retried, and recover when space returns."""
+
+    async def test_disk_full_then_space_returns(self, tmp_path: Path) -> None:
+        """Nothing is acknowledged or corrupted while full; everything finishes afterwards."""
+        async with small_disk(tmp_path / "disk") as disk:
+            env = {"E2E_STEP_LOG": str(tmp_path / "steps.log")}
+            store = {"path": str(disk / "wd.db")}
+            async with (
+                running_daemon(tmp_path, MODULES, env=env, store=store) as d,
+                d.client() as c,
+            ):
+                await self._exercise(d, c, disk)
+            failed = [r for r in d.records() if r["event"] == "checkpoint_failed"]
+            delays = [r["retry_in_s"] for r in failed if r.get("workflow_id") == "f"]
+            assert delays == sorted(delays) and delays[0] < delays[-1]  # backoff, no busy loop
+            with sqlite3.connect(disk / "wd.db") as db:
+                assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+            db.close()
+
+    async def _exercise(self, d: Daemon, c: Client, disk: Path) -> None:
+        with anyio.fail_after(40):
+            await c.call("start", workflow="Collector", workflow_id="c", input={"id": "c"})
+            await wait_status(c, "c", "Waiting")
+            input = {"id": "f", "n": 8, "delay_s": 0.1}
+            await c.call("start", workflow="Filler", workflow_id="f", input=input)
+            ballast = await anyio.to_thread.run_sync(fill, disk)
+            failed = await logged(d, "checkpoint_failed", 2, workflow_id="f")
+            assert all("disk is full" in r["error"] for r in failed), failed
+            sent = await c.request("send", workflow_id="c", event="add", input=1)
+            assert not sent["ok"], sent
+            queued = await c.request("send", workflow_id="c", event="add", input=2, wait=False)
+            assert not queued["ok"], queued
+            started = await c.request("start", workflow="Collector", workflow_id="x")
+            assert not started["ok"], started
+            assert (await c.request("ping"))["ok"]
+
+            await anyio.Path(ballast).unlink()
+            shown = await wait_status(c, "f", "Finished")
+            assert len(shown["data"]["chunks"]) == 8
+            assert await c.call("send", workflow_id="c", event="add", input=3) == 1
+            await c.call("send", workflow_id="c", event="close")
+            shown = await wait_status(c, "c", "Finished")
+            assert shown["data"]["got"] == [3]
+            assert not (await c.request("show", workflow_id="x"))["ok"]
