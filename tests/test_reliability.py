@@ -319,3 +319,40 @@ class TestDiskFull:
             shown = await wait_status(c, "c", "Finished")
             assert shown["data"]["got"] == [3]
             assert not (await c.request("show", workflow_id="x"))["ok"]
+
+
+def hold_write_lock(db: Path) -> sqlite3.Connection:
+    """Take the database's write lock from this process, as another program could."""
+    conn = sqlite3.connect(db, isolation_level=None, timeout=10, check_same_thread=False)
+    conn.execute("BEGIN EXCLUSIVE")
+    return conn
+
+
+class TestLockedDatabase:
+    """Another process holding the write lock delays workflows but breaks nothing."""
+
+    async def test_lock_held_elsewhere(self, tmp_path: Path) -> None:
+        """Checkpoints fail with a clear error and back off; all goes on once the lock is gone."""
+        env = {"E2E_STEP_LOG": str(tmp_path / "steps.log")}
+        async with running_daemon(tmp_path, MODULES, env=env) as d, d.client() as c:
+            await c.call("start", workflow="Collector", workflow_id="c", input={"id": "c"})
+            await wait_status(c, "c", "Waiting")
+            input = {"id": "f", "n": 6, "size": 10, "delay_s": 0.1}
+            await c.call("start", workflow="Filler", workflow_id="f", input=input)
+            lock = await anyio.to_thread.run_sync(hold_write_lock, tmp_path / "wd.db")
+            try:
+                sent = await c.request("send", workflow_id="c", event="add", input=1)
+                assert not sent["ok"] and sent["error"]["code"] == "unavailable", sent
+                assert "database is locked" in sent["error"]["message"]
+                assert (await c.request("ping"))["ok"]
+            finally:
+                lock.execute("ROLLBACK")
+                lock.close()
+            shown = await wait_status(c, "f", "Finished")
+            assert len(shown["data"]["chunks"]) == 6
+            assert await c.call("send", workflow_id="c", event="add", input=2) == 1
+            await c.call("send", workflow_id="c", event="close")
+            assert (await wait_status(c, "c", "Finished"))["data"]["got"] == [2]
+        failed = [r for r in d.records() if r["event"] == "checkpoint_failed"]
+        assert failed and all("database is locked" in r["error"] for r in failed)
+        assert all(r["retry_in_s"] > 0 for r in failed)  # every retry waits first
