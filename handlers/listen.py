@@ -118,8 +118,18 @@ async def _bind(addr: _Address) -> tuple[Listener[SocketStream], int | None]:
             await anyio.sleep(0.02)
     if live:
         raise OSError(errno.EADDRINUSE, "another process listens on this socket", addr.path)
-    unix = await anyio.create_unix_listener(addr.path, mode=0o660)
-    return unix, os.stat(addr.path).st_ino
+    # anyio binds in a worker thread it abandons on cancel, leaving the socket file
+    # behind: let the (quick) bind finish, so listen's cleanup removes the file.
+    with anyio.CancelScope(shield=True):
+        unix = await anyio.create_unix_listener(addr.path)
+        try:
+            os.chmod(addr.path, 0o660)
+            return unix, os.stat(addr.path).st_ino
+        except FileNotFoundError:
+            await unix.aclose()
+    # The wait was torn down while binding and its teardown removed the file: end quietly.
+    await anyio.lowlevel.checkpoint_if_cancelled()
+    raise FileNotFoundError(errno.ENOENT, "socket file removed while binding", addr.path)
 
 
 def _unlink(path: str, inode: int | None) -> None:

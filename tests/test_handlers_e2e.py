@@ -232,6 +232,27 @@ class TestSocketListen:
             with pytest.raises(OSError):
                 await anyio.connect_unix(sock)
 
+    async def test_torn_down_while_binding(self, tmp_path: Path) -> None:
+        """Waits torn down as soon as they are set up (mid-bind) leave no socket file."""
+        socks = [tmp_path / f"s{n}.sock" for n in range(30)]
+        async with running(tmp_path / "wf.db") as rt:
+            for n, sock in enumerate(socks):
+                await rt.start("Guarded", f"s{n}", {"kind": "socket", "path": str(sock)})
+                await rt.send(f"s{n}", "stop", "now")
+            await rt.wait_idle()
+            await until(lambda: listen_tasks() == 0)
+            assert [s.name for s in socks if s.exists() or unix_listening(s)] == []
+
+    async def test_stopped_while_binding(self, tmp_path: Path) -> None:
+        """A runtime stopped while its listeners bind leaves no socket file behind."""
+        for attempt in range(3):
+            socks = [tmp_path / f"{attempt}-{n}.sock" for n in range(20)]
+            async with running(tmp_path / f"{attempt}.db") as rt:
+                for n, sock in enumerate(socks):
+                    await rt.start("Guarded", f"s{n}", {"kind": "socket", "path": str(sock)})
+                await until(lambda: any(s.exists() for s in socks))  # noqa: B023 - used at once
+            assert [s.name for s in socks if s.exists()] == []
+
     async def test_tcp_closed_when_signal_wins(self, tmp_path: Path) -> None:
         """A TCP listener fires when it is the winner and refuses connections once torn down."""
         port = free_port()
