@@ -63,6 +63,13 @@ class Backend(Protocol):
     ) -> AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]: ...
 
 
+class DaemonOps(Protocol):
+    """What the control socket needs from the daemon itself: reload and backup."""
+
+    async def reload(self) -> dict[str, Any]: ...
+    async def backup(self, path: str) -> dict[str, Any]: ...
+
+
 @functools.cache
 def version() -> str:
     """Return the installed workflowd version."""
@@ -95,12 +102,17 @@ async def serve(
     max_request_bytes: int = proto.MAX_REQUEST_BYTES,
     max_connections: int = 256,
     idle_timeout: float = 300.0,
-    task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ops: DaemonOps | None = None,
+    task_status: anyio.abc.TaskStatus[Any] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the control protocol until cancelled; remove the socket file we created on exit."""
+    """Serve the control protocol until cancelled; remove the socket file we created on exit.
+
+    Reports the server's state object as started, whose `configure` changes limits live.
+    """
     uids = {0, os.getuid(), *allowed_uids}
     gids = {_group_id(g) for g in allowed_groups}
     control = _Control(backend, uids, gids, max_request_bytes, max_connections, idle_timeout)
+    control.ops = ops
     created: os.stat_result | None = None
     if listener is None:
         if socket_path is None:
@@ -109,7 +121,7 @@ async def serve(
     try:
         async with listener:
             log.info("control_listening", socket=str(socket_path or "(inherited)"))
-            task_status.started()
+            task_status.started(control)
             await control.accept_loop(listener)
     finally:
         if created is not None and socket_path is not None:
@@ -191,6 +203,21 @@ class _Control:
     max_conns: int
     idle: float
     active: int = 0
+    ops: DaemonOps | None = None
+
+    def configure(
+        self,
+        *,
+        allowed_uids: Collection[int],
+        allowed_groups: Collection[int | str],
+        max_request_bytes: int,
+        max_connections: int,
+        idle_timeout: float,
+    ) -> None:
+        """Apply new allow-lists and limits (a reload); open connections keep their session."""
+        self.uids = {0, os.getuid(), *allowed_uids}
+        self.gids = {_group_id(g) for g in allowed_groups}
+        self.max_bytes, self.max_conns, self.idle = max_request_bytes, max_connections, idle_timeout
 
     async def accept_loop(self, listener: anyio.abc.SocketListener) -> None:
         """Accept clients forever; running out of file descriptors must not stop the server."""
@@ -265,8 +292,17 @@ class _Control:
                 return await b.cancel(req.workflow_id)
             case proto.Logs():
                 return await self._logs(req, reply)
+            case proto.Reload():
+                return await self._daemon().reload()
+            case proto.Backup():
+                return await self._daemon().backup(req.path)
             case _:
                 assert_never(req)
+
+    def _daemon(self) -> DaemonOps:
+        if self.ops is None:
+            raise Unavailable("this server does not offer reload or backup")
+        return self.ops
 
     async def _send(self, req: proto.Send) -> Any:
         result = await self.backend.send(

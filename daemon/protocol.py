@@ -103,7 +103,17 @@ class Logs(Request, tag="logs"):
     workflow_id: str | None = None
 
 
-AnyRequest = Ping | Start | Send | List | Show | History | Cancel | Logs
+class Reload(Request, tag="reload"):
+    """Re-read the config and swap in new workflow code if every live workflow fits it."""
+
+
+class Backup(Request, tag="backup"):
+    """Copy the database to `path` (absolute, must not exist) with SQLite's online backup."""
+
+    path: str
+
+
+AnyRequest = Ping | Start | Send | List | Show | History | Cancel | Logs | Reload | Backup
 #: Each op's request type.
 REQUESTS: dict[str, type[AnyRequest]] = {t.__struct_config__.tag: t for t in AnyRequest.__args__}
 OPS = frozenset(REQUESTS)

@@ -127,7 +127,18 @@ class TestCodes:
 
     def test_ops(self) -> None:
         """The ops are exactly the documented verbs."""
-        assert {"ping", "start", "send", "list", "show", "history", "cancel", "logs"} == OPS
+        assert {
+            "ping",
+            "start",
+            "send",
+            "list",
+            "show",
+            "history",
+            "cancel",
+            "logs",
+            "reload",
+            "backup",
+        } == OPS
 
     def test_decode_response(self) -> None:
         """A client reads an object per line and rejects anything else."""
