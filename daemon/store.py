@@ -20,7 +20,14 @@ import msgspec
 import structlog
 
 from .clock import get_clock
-from .errors import ConfigError, StoreLocked, Unavailable, WorkflowNotFound
+from .errors import (
+    BadRequest,
+    ConfigError,
+    Conflict,
+    StoreLocked,
+    Unavailable,
+    WorkflowNotFound,
+)
 
 T = TypeVar("T")
 log = structlog.get_logger(__name__)
@@ -245,6 +252,30 @@ async def _migrate(conn: aiosqlite.Connection, path: Path) -> None:
         except BaseException:
             await conn.rollback()
             raise
+
+
+def _backup(src_path: Path, dest: Path) -> None:
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    try:
+        src = sqlite3.connect(src_path)
+        try:
+            dst = sqlite3.connect(tmp)
+            try:
+                src.backup(dst)
+                # A self-contained file: no -wal beside it to copy along.
+                dst.execute("PRAGMA journal_mode = DELETE")
+            finally:
+                dst.close()
+        finally:
+            src.close()
+        os.link(tmp, dest)
+    except FileExistsError:
+        raise Conflict(f"{dest} exists; pick a new name") from None
+    except (OSError, sqlite3.Error) as e:
+        raise BadRequest(f"cannot write {dest}: {e}") from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
 
 
 class Store:
@@ -518,6 +549,20 @@ class Store:
             except msgspec.DecodeError as err:  # one bad row must not stop recovery
                 log.error("inbox_corrupt", inbox_id=i, workflow_id=w, event_name=e, error=str(err))
         return out
+
+    async def backup(self, dest: Path) -> None:
+        """Write a consistent copy of the database to `dest`, which must not exist yet.
+
+        The copy is made on a connection of its own, in one step, so it is one read transaction:
+        writers go on meanwhile and cannot make it restart (as the sqlite3 shell's paged
+        `.backup` does). It lands under a temporary name and is linked into place, so `dest`
+        is either absent or complete, and an existing file (the database itself!) is never
+        overwritten.
+        """
+        dest = Path(dest)
+        if dest.exists():
+            raise Conflict(f"{dest} exists; pick a new name")
+        await anyio.to_thread.run_sync(_backup, self.path, dest)
 
     async def counts(self) -> dict[str, int]:
         """Return how many workflows are in each status."""
