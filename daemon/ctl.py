@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("logs", "print the daemon's recent log records")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new records")
     p.add_argument("--workflow", dest="workflow_id", metavar="ID", help="only this workflow")
+    command("reload", "load new workflow code and settings; refused if live workflows do not fit")
+    p = command("backup", "copy the database, consistently, to a new file PATH the daemon writes")
+    p.add_argument("path", metavar="PATH", type=os.path.abspath)
     return parser
 
 
@@ -215,7 +218,21 @@ def show(command: str, result: Any) -> str:
             return table(rows, columns) if rows else "no history"
         case "send", str(text):
             return text
+        case "reload", {"reloaded": bool()}:
+            return reload_text(result)
+        case "backup", {"path": str(path), "bytes": int(size)}:
+            return f"backed up to {path} ({size} bytes)"
     return pretty(result)
+
+
+def reload_text(result: dict[str, Any]) -> str:
+    """Return a reload's outcome, one blocking workflow per line."""
+    if result["reloaded"]:
+        return f"reloaded: {cell(result.get('workflows', []))}"
+    lines = [f"reload refused: {result.get('error', '')}; still running the old code"]
+    for b in result.get("blocked", []):
+        lines.append(f"  {b.get('workflow_id')} ({b.get('workflow')}): {cell(b.get('reasons'))}")
+    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace, path: Path) -> int:
@@ -234,6 +251,8 @@ def run(args: argparse.Namespace, path: Path) -> int:
         if args.command != "logs":  # the end marker of `logs` is not worth printing
             result = response.get("result")
             print(compact(result) if args.json else show(args.command, result))
+            if args.command == "reload" and not (result or {}).get("reloaded"):
+                return EXIT_ERROR
         return EXIT_OK
     return EXIT_OK  # not reached: responses() raises when the daemon hangs up
 
