@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import msgspec
 import structlog
 from structlog.contextvars import bound_contextvars
 
 from .engine import Definition, handle_callback, release_waits, resume
-from .errors import CallbackNotFound, StepFailed, Unavailable, WorkflowError
+from .errors import CallbackNotFound, HandlerRejected, StepFailed, Unavailable, WorkflowError
 from .handler import CallbackRequest
 from .state import FINAL_STATUSES, CheckpointType, EventStatus, State, WorkflowStatus
 from .statements import NonRetryableError, Retry, Step
@@ -357,12 +358,14 @@ class Actor:
         try:
             out = await handle_callback(item.req, loaded.wf, loaded.state, item.input)
         except WorkflowError as e:
-            log.info("callback_rejected", event_name=event, code=e.code, error=str(e))
-            reply.fail(e)
-            if item.inbox_id is not None:
-                self._inbox_done.append(item.inbox_id)
-                self._history.append(("callback_rejected", {"event": event, "error": str(e)}))
-                await self._save(loaded)
+            await self._reject(loaded, item, reply, e)
+            return
+        try:
+            _check_fits(loaded.wf)
+        except HandlerRejected as e:
+            # The handler stored what the data fields cannot hold (a float in an int field):
+            # saved, the row would no longer load. Start again from the durable state.
+            await self._reject(await self._reload(), item, reply, e)
             return
         if item.inbox_id is not None:
             self._inbox_done.append(item.inbox_id)
@@ -376,6 +379,16 @@ class Actor:
             raise
         reply.set(out)
 
+    async def _reject(self, loaded: Loaded, item: Item, reply: Reply, e: WorkflowError) -> None:
+        assert item.req is not None
+        event = item.req.name
+        log.info("callback_rejected", event_name=event, code=e.code, error=str(e))
+        reply.fail(e)
+        if item.inbox_id is not None:
+            self._inbox_done.append(item.inbox_id)
+            self._history.append(("callback_rejected", {"event": event, "error": str(e)}))
+            await self._save(loaded)
+
     def _reject_waiting(self, error: WorkflowError) -> None:
         for item in [i for i in self.items if i.kind == "callback" and i.inbox_id is None]:
             if item.reply is not None:
@@ -387,6 +400,14 @@ class Actor:
             item = self.items.popleft()
             if item.reply is not None:
                 item.reply.fail(error)
+
+
+def _check_fits(wf: Workflow) -> None:
+    """Raise HandlerRejected unless the data still round-trips through its field types."""
+    try:
+        type(wf).from_json(wf.to_json())
+    except (msgspec.MsgspecError, TypeError, ValueError) as e:
+        raise HandlerRejected(f"the input does not fit {type(wf).__name__}'s fields: {e}") from e
 
 
 class _nullcontext:
