@@ -1,0 +1,261 @@
+"""Draw a definition (as `definition_to_dict` describes it) as a Mermaid or Graphviz diagram.
+
+Given a workflow's state, the diagram also shows where each thread is and which waits are armed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from .state import MAIN_THREAD, EventStatus, State, ThreadStatus, WorkflowStatus
+
+FORMATS = ("mermaid", "dot")
+
+_EVENT_MARK = {
+    EventStatus.SETUP: "armed",
+    EventStatus.PENDING_SETUP: "pending",
+    EventStatus.SETUP_ERROR: "error",
+    EventStatus.TEARDOWN_ERROR: "error",
+}
+#: Per node shape: Mermaid's brackets and Graphviz's shape.
+_SHAPES = {
+    "step": ('["', '"]', "box"),
+    "decision": ('{"', '"}', "diamond"),
+    "branch": ('(["', '"])', "box"),
+    "loop": ('{{"', '"}}', "hexagon"),
+    "wait": ('[/"', '"/]', "parallelogram"),
+    "event": ('>"', '"]', "cds"),
+    "wait_for": ('[\\"', '"/]', "trapezium"),
+    "go": ('[["', '"]]', "component"),
+    "start": ('(("', '"))', "circle"),
+    "end": ('(("', '"))', "doublecircle"),
+    "note": ('[/"', '"\\]', "note"),
+}
+#: Per mark: Mermaid style and Graphviz fill and border colours.
+_MARKS = {
+    "here": ("fill:#fde68a,stroke:#b45309,stroke-width:3px", "#fde68a", "#b45309"),
+    "failed": ("fill:#fecaca,stroke:#b91c1c,stroke-width:3px", "#fecaca", "#b91c1c"),
+    "armed": ("fill:#bfdbfe,stroke:#1d4ed8,stroke-width:2px", "#bfdbfe", "#1d4ed8"),
+    "pending": ("fill:#e5e7eb,stroke:#1d4ed8,stroke-dasharray:4", "#e5e7eb", "#1d4ed8"),
+    "error": ("fill:#fecaca,stroke:#b91c1c,stroke-width:2px", "#fecaca", "#b91c1c"),
+    "note": ("fill:#fffbeb,stroke:#b45309", "#fffbeb", "#b45309"),
+}
+
+
+@dataclass(slots=True)
+class _Node:
+    id: str
+    lines: list[str]
+    shape: str
+    cluster: str
+    mark: str = ""
+
+
+class _Exit(NamedTuple):
+    """A loose end: control leaves `src` along an edge labelled `label`."""
+
+    src: str
+    label: str = ""
+    dotted: bool = False
+
+
+@dataclass
+class _Graph:
+    nodes: list[_Node] = field(default_factory=list)
+    edges: list[tuple[str, str, str, bool]] = field(default_factory=list)
+    #: Statement (and event) name -> node id: names are unique within a definition.
+    named: dict[str, str] = field(default_factory=dict)
+    #: Thread name -> (start node, end node).
+    threads: dict[str, tuple[str, str]] = field(default_factory=dict)
+    cluster: str = ""
+
+    def node(self, label: str, shape: str, name: str | None = None) -> str:
+        nid = f"n{len(self.nodes)}"
+        self.nodes.append(_Node(nid, [label], shape, self.cluster))
+        if name is not None:
+            self.named.setdefault(name, nid)
+        return nid
+
+    def link(self, exits: list[_Exit], dst: str) -> None:
+        self.edges.extend((e.src, dst, e.label, e.dotted) for e in exits)
+
+
+class _Builder:
+    """Turns the statement tree into a control-flow graph, one subgraph per Go thread."""
+
+    def __init__(self) -> None:
+        self.g = _Graph()
+        self.loops: list[tuple[str, list[_Exit]]] = []  # innermost last: head node, its breaks
+        self.end = ""
+
+    def thread(self, name: str, body: list[dict[str, Any]], into: list[_Exit]) -> None:
+        saved = self.loops, self.end, self.g.cluster
+        self.loops, self.g.cluster = [], "" if name == MAIN_THREAD else name
+        if name == MAIN_THREAD:
+            start = self.g.node("start", "start")
+            into = [_Exit(start)]
+        else:
+            start = into[0].src
+        self.end = self.g.node("end" if name == MAIN_THREAD else f"end {name}", "end")
+        self.g.threads[name] = (start, self.end)
+        self.g.link(self.block(body, into), self.end)
+        self.loops, self.end, self.g.cluster = saved
+
+    def block(self, stmts: list[dict[str, Any]], into: list[_Exit]) -> list[_Exit]:
+        for s in stmts:
+            into = self.stmt(s, into)
+        return into
+
+    def stmt(self, s: dict[str, Any], into: list[_Exit]) -> list[_Exit]:
+        g, kind, name = self.g, s.get("type", "?"), s.get("name")
+        if kind == "section":
+            return self.block(s["children"], into)
+        if kind in ("break", "continue", "return"):
+            if kind == "return":
+                g.link(into, self.end)
+            elif self.loops and kind == "continue":
+                g.link(into, self.loops[-1][0])
+            elif self.loops:
+                self.loops[-1][1].extend(into)
+            return []
+        labels = {"for": "for ", "wait": "wait ", "wait_for": "wait_for ", "go": "go "}
+        shape = {"for": "loop", "if": "decision", "switch": "decision"}.get(kind, kind)
+        n = g.node(
+            labels.get(kind, "") + (name or kind), shape if shape in _SHAPES else "step", name
+        )
+        g.link(into, n)
+        if kind in ("if", "switch"):
+            exits: list[_Exit] = []
+            for b in s["branches"]:
+                bn = g.node(b["name"] + (" (default)" if b["default"] else ""), "branch", b["name"])
+                g.edges.append((n, bn, "", False))
+                exits += self.block(b["children"], [_Exit(bn)])
+            if not any(b["default"] for b in s["branches"]):
+                exits.append(_Exit(n, "none"))
+            return exits
+        if kind == "for":
+            self.loops.append((n, []))
+            g.link(self.block(s["children"], [_Exit(n, "loop")]), n)
+            return [_Exit(n, "done"), *self.loops.pop()[1]]
+        if kind == "wait":
+            exits = []
+            for c in s["cases"]:
+                cn = g.node(f"{c['event']} · {c['handler']}", "event", c["event"])
+                g.edges.append((n, cn, "", False))
+                exits += self.block(c["children"], [_Exit(cn)])
+            return exits
+        if kind == "go" and name is not None:
+            self.thread(name, s["children"], [_Exit(n, "starts", dotted=True)])
+        return [_Exit(n)]
+
+
+def _overlay(g: _Graph, state: State) -> None:
+    """Mark where each thread is, and the status of each wait event."""
+    failed = state.status is WorkflowStatus.FAILED
+    if state.status is WorkflowStatus.FINISHED:
+        _note(g, "Finished", g.threads[MAIN_THREAD][1], "here")
+    for t in state.threads:
+        if state.status is WorkflowStatus.FINISHED and t.id == MAIN_THREAD:
+            continue
+        where = g.named.get(t.cur_step) if t.cur_step else g.threads.get(t.name, ("", ""))[0]
+        text = f"{t.id}: {t.status.value}"
+        if t.status is ThreadStatus.RESUMING and t.cur_step:
+            text += f" after {t.cur_step}"
+        if t.cur_step and t.cur_step not in g.named:
+            text += f" at {t.cur_step!r} (not in the definition)"
+        _note(g, text, where, "failed" if failed else "here")
+        for ev in t.wait_events:
+            nid = g.named.get(ev.req.name)
+            if nid is None:
+                continue
+            node = g.nodes[int(nid[1:])]
+            node.lines.append(f"[{ev.status.value}]" + (f" {ev.error}" if ev.error else ""))
+            node.mark = _EVENT_MARK.get(ev.status, node.mark)
+
+
+def _note(g: _Graph, text: str, where: str | None, mark: str) -> None:
+    note = g.node(text, "note")
+    g.nodes[-1].mark = "note"
+    if where:
+        g.edges.append((note, where, "", True))
+        g.nodes[int(where[1:])].mark = mark
+
+
+def render(
+    tree: dict[str, Any], fmt: str = "mermaid", *, state: State | None = None, title: str = ""
+) -> str:
+    """Return the diagram of a definition tree in `fmt` ("mermaid" or "dot")."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown graph format {fmt!r}; use one of {', '.join(FORMATS)}")
+    b = _Builder()
+    b.thread(MAIN_THREAD, tree.get("children", []), [])
+    if state is not None:
+        _overlay(b.g, state)
+    return _mermaid(b.g, title) if fmt == "mermaid" else _dot(b.g, title)
+
+
+def _clusters(g: _Graph) -> dict[str, list[_Node]]:
+    by: dict[str, list[_Node]] = {}
+    for n in g.nodes:
+        by.setdefault(n.cluster, []).append(n)
+    return by
+
+
+def _mermaid(g: _Graph, title: str) -> str:
+    def text(s: str) -> str:
+        return s.replace('"', "#quot;")
+
+    out = [f"---\ntitle: {text(title)}\n---"] if title else []
+    out.append("flowchart TD")
+    for i, (cluster, nodes) in enumerate(_clusters(g).items()):
+        indent = "    " if cluster else "  "
+        if cluster:
+            out.append(f'  subgraph t{i}["thread {text(cluster)}"]')
+        for n in nodes:
+            left, right, _ = _SHAPES[n.shape]
+            out.append(f"{indent}{n.id}{left}{'<br/>'.join(map(text, n.lines))}{right}")
+        if cluster:
+            out.append("  end")
+    for src, dst, label, dotted in g.edges:
+        arrow = "-.->" if dotted else "-->"
+        tag = f"|{text(label)}|" if label else ""
+        out.append(f"  {src} {arrow}{tag} {dst}")
+    marks = sorted({n.mark for n in g.nodes if n.mark})
+    out += [f"  classDef {m} {_MARKS[m][0]}" for m in marks]
+    out += [f"  class {','.join(n.id for n in g.nodes if n.mark == m)} {m}" for m in marks]
+    return "\n".join(out) + "\n"
+
+
+def _dot(g: _Graph, title: str) -> str:
+    def text(s: str) -> str:
+        return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+    def attrs(n: _Node) -> str:
+        a = [f"label={text(chr(10).join(n.lines))}", f"shape={_SHAPES[n.shape][2]}"]
+        styles = ["rounded"] if n.shape == "branch" else []
+        if n.mark:
+            _, fill, stroke = _MARKS[n.mark]
+            styles.append("filled")
+            a += [f'fillcolor="{fill}"', f'color="{stroke}"']
+            a += ["penwidth=2"] if n.mark in ("here", "failed", "armed") else []
+        if styles:
+            a.append(f'style="{",".join(styles)}"')
+        return ", ".join(a)
+
+    out = ["digraph workflow {", '  node [fontname="Helvetica"];', '  edge [fontname="Helvetica"];']
+    if title:
+        out.append(f"  label={text(title)}; labelloc=t;")
+    for i, (cluster, nodes) in enumerate(_clusters(g).items()):
+        indent = "    " if cluster else "  "
+        if cluster:
+            out += [f"  subgraph cluster_{i} {{", f"    label={text('thread ' + cluster)};"]
+        out += [f"{indent}{n.id} [{attrs(n)}];" for n in nodes]
+        if cluster:
+            out.append("  }")
+    for src, dst, label, dotted in g.edges:
+        a = ([f"label={text(label)}"] if label else []) + (["style=dashed"] if dotted else [])
+        tail = f" [{', '.join(a)}]" if a else ""
+        out.append(f"  {src} -> {dst}{tail};")
+    out.append("}")
+    return "\n".join(out) + "\n"
