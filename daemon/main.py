@@ -9,6 +9,7 @@ import sys
 from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -16,28 +17,37 @@ import structlog
 
 from .config import Config, load_config
 from .control import listener_from_systemd, serve
-from .errors import ConfigError, StoreLocked, ValidationError
+from .errors import BadRequest, ConfigError, StoreLocked, ValidationError
 from .log import LogHub, configure_logging
 from .notify import Notifier, watchdog_loop
-from .reload import Reloader
-from .runtime import Runtime, Settings
+from .reload import Reloader, settings_of
+from .runtime import Runtime
 from .store import Store
 from .workflow import Workflow
 
 log = structlog.get_logger()
-STATUS_EVERY_S = 5.0
+STATUS_EVERY_S = 1.0
 GC_EVERY_S = 3600.0
 
 
-def settings_of(cfg: Config) -> Settings:
-    """Map the `[runtime]` section onto the runtime's settings."""
-    r = cfg.runtime
-    return Settings(
-        max_concurrent_steps=r.max_concurrent_steps,
-        retry_initial_s=r.retry_initial_s,
-        retry_max_s=r.retry_max_s,
-        retry_max_attempts=r.retry_max_attempts,
-    )
+class DaemonOps:
+    """The control socket's `reload` and `backup`."""
+
+    def __init__(self, reloader: Reloader, store: Store) -> None:
+        self.reloader, self.store = reloader, store
+
+    async def reload(self) -> dict[str, Any]:
+        """Reload as SIGHUP does."""
+        return await self.reloader.reload()
+
+    async def backup(self, path: str) -> dict[str, Any]:
+        """Copy the database to a new file at the absolute `path`."""
+        dest = Path(path)
+        if not dest.is_absolute():
+            raise BadRequest(f"the backup path must be absolute, not {path!r}")
+        size = await self.store.backup(dest)
+        log.info("backup_written", path=path, bytes=size)
+        return {"path": path, "bytes": size}
 
 
 async def run_daemon(
@@ -60,6 +70,7 @@ async def run_daemon(
             anyio.create_task_group() as tg,
         ):
             d = cfg.daemon
+            reloader = Reloader(cfg, rt, notifier)
             listener = await listener_from_systemd()
             server = partial(
                 serve,
@@ -72,21 +83,21 @@ async def run_daemon(
                 max_request_bytes=d.max_request_bytes,
                 max_connections=d.max_connections,
                 idle_timeout=d.idle_timeout_s,
+                ops=DaemonOps(reloader, store),
             )
             control = anyio.CancelScope()
 
-            async def run_control(*, task_status: anyio.abc.TaskStatus[None]) -> None:
+            async def run_control(*, task_status: anyio.abc.TaskStatus[Any]) -> None:
                 with control:
                     await server(task_status=task_status)
 
-            await tg.start(run_control)
+            reloader.on_config = partial(_configure_control, await tg.start(run_control))
             tg.start_soon(watchdog_loop, notifier)
             tg.start_soon(_report_status, rt, notifier)
-            tg.start_soon(_collect_garbage, rt, cfg.store.keep_finished_days)
+            tg.start_soon(_collect_garbage, rt, reloader)
             log.info("daemon_started", pid=os.getpid(), socket=str(d.socket), db=str(store.path))
             notifier.ready()
             task_status.started(rt)
-            reloader = Reloader(cfg, rt, notifier)
             async for signum in signals:
                 if signum == signal.SIGHUP:
                     await reloader.reload()
@@ -97,7 +108,7 @@ async def run_daemon(
             control.cancel()
             with anyio.CancelScope() as drain:
                 tg.start_soon(_second_signal, signals, drain)
-                finished = await rt.drain(cfg.daemon.shutdown_grace_s)
+                finished = await rt.drain(reloader.cfg.daemon.shutdown_grace_s)
                 log.info("daemon_stopped", steps_finished=finished)
             tg.cancel_scope.cancel()
     notifier.close()
@@ -110,23 +121,40 @@ async def _second_signal(signals: AsyncIterator[int], drain: anyio.CancelScope) 
         return
 
 
+def _configure_control(control: Any, cfg: Config) -> None:
+    d = cfg.daemon
+    control.configure(
+        allowed_uids=d.allowed_uids,
+        allowed_groups=d.allowed_groups,
+        max_request_bytes=d.max_request_bytes,
+        max_connections=d.max_connections,
+        idle_timeout=d.idle_timeout_s,
+    )
+
+
+def status_line(counts: dict[str, int], busy: int) -> str:
+    """Return the one-line summary `systemctl status` shows."""
+    waiting, failed = counts.get("Waiting", 0), counts.get("Failed", 0)
+    return f"{waiting} waiting, {busy} running, {failed} failed"
+
+
 async def _report_status(rt: Runtime, notifier: Notifier) -> None:
+    """Keep STATUS= current: look every STATUS_EVERY_S, send only what changed."""
     if not notifier.address:
         return
+    last = ""
     while True:
-        counts = await rt.counts()
-        busy = len(rt.actors)
-        notifier.status(
-            f"{counts.get('Waiting', 0)} waiting, {busy} running, {counts.get('Failed', 0)} failed"
-        )
+        line = status_line(await rt.counts(), len(rt.actors))
+        if line != last:
+            notifier.status(line)
+            last = line
         await anyio.sleep(STATUS_EVERY_S)
 
 
-async def _collect_garbage(rt: Runtime, keep_days: int) -> None:
-    if keep_days <= 0:
-        return
+async def _collect_garbage(rt: Runtime, reloader: Reloader) -> None:
     while True:
-        deleted = await rt.gc(keep_days)
+        keep_days = reloader.cfg.store.keep_finished_days  # a reload may change it
+        deleted = await rt.gc(keep_days) if keep_days > 0 else 0
         if deleted:
             log.info("workflows_deleted", count=deleted, older_than_days=keep_days)
         await anyio.sleep(GC_EVERY_S)

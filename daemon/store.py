@@ -254,7 +254,7 @@ async def _migrate(conn: aiosqlite.Connection, path: Path) -> None:
             raise
 
 
-def _backup(src_path: Path, dest: Path) -> None:
+def _backup(src_path: Path, dest: Path) -> int:
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
     try:
         src = sqlite3.connect(src_path)
@@ -269,6 +269,7 @@ def _backup(src_path: Path, dest: Path) -> None:
         finally:
             src.close()
         os.link(tmp, dest)
+        return os.stat(dest).st_size
     except FileExistsError:
         raise Conflict(f"{dest} exists; pick a new name") from None
     except (OSError, sqlite3.Error) as e:
@@ -550,8 +551,8 @@ class Store:
                 log.error("inbox_corrupt", inbox_id=i, workflow_id=w, event_name=e, error=str(err))
         return out
 
-    async def backup(self, dest: Path) -> None:
-        """Write a consistent copy of the database to `dest`, which must not exist yet.
+    async def backup(self, dest: Path) -> int:
+        """Write a consistent copy of the database to `dest` (which must not exist); return its size.
 
         The copy is made on a connection of its own, in one step, so it is one read transaction:
         writers go on meanwhile and cannot make it restart (as the sqlite3 shell's paged
@@ -562,7 +563,7 @@ class Store:
         dest = Path(dest)
         if dest.exists():
             raise Conflict(f"{dest} exists; pick a new name")
-        await anyio.to_thread.run_sync(_backup, self.path, dest)
+        return await anyio.to_thread.run_sync(_backup, self.path, dest)
 
     async def counts(self) -> dict[str, int]:
         """Return how many workflows are in each status."""
