@@ -17,11 +17,14 @@ pytestmark = pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze is not 
 def verify(tmp_path: Path, service: str, socket: str) -> subprocess.CompletedProcess[str]:
     """Run `systemd-analyze verify` on copies of the units.
 
-    ExecStart points at the installed venv, which does not exist on a development machine, and
-    verify fails on a missing binary; the copy runs /bin/true instead. Nothing else is changed.
+    ExecStart and ExecReload point at the installed venv, which does not exist on a development
+    machine, and verify fails on a missing binary; the copy runs /bin/true instead. Nothing else
+    is changed.
     """
     lines = [
-        "ExecStart=/bin/true" if line.startswith("ExecStart=") else line
+        line.partition("=")[0] + "=/bin/true"
+        if line.startswith(("ExecStart=", "ExecReload="))
+        else line
         for line in service.splitlines()
     ]
     (tmp_path / "workflowd.service").write_text("\n".join(lines) + "\n")
@@ -79,6 +82,8 @@ class TestContents:
         assert service["StateDirectory"] == service["RuntimeDirectory"] == "workflowd"
         assert service["RuntimeDirectoryPreserve"] == "yes"
         assert service["WatchdogSec"] == "30"
+        # The reload is synchronous and fails when refused; the socket is where the daemon listens.
+        assert service["ExecReload"].endswith(" --socket /run/workflowd/workflowd.sock reload")
         assert service["CapabilityBoundingSet"] == ""
         assert "DynamicUser" not in service
 
