@@ -51,7 +51,7 @@ class Tally:
 
 
 def _nested(rng: random.Random) -> bytes:
-    depth = rng.choice([64, 1000, 10_000, 200_000])
+    depth = rng.choice([64, 1000, 10_000, 100_000])  # lines stay under the 1 MiB limit
     if rng.random() < 0.5:
         inner = b"[" * depth + b"]" * depth
     else:
@@ -189,7 +189,9 @@ async def _oversized(socket: Path, tally: Tally) -> None:
     """A line over the limit gets too_large and that connection is closed."""
     try:
         async with await anyio.connect_unix(socket) as stream:
-            await stream.send(b'{"op": "ping", "x": "' + b"y" * (1 << 20) + b'"}\n')
+            with contextlib.suppress(anyio.BrokenResourceError):
+                # The daemon may answer and hang up before it has read the whole line.
+                await stream.send(b'{"op": "ping", "x": "' + b"y" * (1 << 20) + b'"}\n')
             answer = await _answer(stream)
         if json.loads(answer.partition(b"\n")[0])["error"]["code"] != "too_large":
             tally.fail(f"oversized: answered {answer[:120]!r}")
