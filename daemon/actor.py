@@ -85,6 +85,8 @@ class Actor:
     workflow_id: str
     items: deque[Item] = field(default_factory=deque)
     wake: anyio.Event = field(default_factory=anyio.Event)
+    #: Set once the actor has exited (a repair waits for it).
+    done: anyio.Event = field(default_factory=anyio.Event)
     running_step: tuple[str, float] | None = None
     _scope: anyio.CancelScope | None = None
     _interruptible: bool = False

@@ -102,3 +102,9 @@ class StoreLocked(WorkflowError):
 
 class ConfigError(WorkflowError):
     """The configuration is invalid."""
+
+
+class BadInput(WorkflowError):
+    """The value does not fit the workflow's data types."""
+
+    code = "bad_input"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -78,21 +77,39 @@ def _label(stmt: Stmt) -> str:
 
 def lint(root: Section) -> list[Finding]:
     """Return every problem found in a definition tree, errors first."""
-    found: list[Finding] = []
-    names = [n for n, _ in _names(root)]
-    kinds: dict[str, list[str]] = {}
-    for name, kind in _names(root):
-        kinds.setdefault(name, []).append(kind)
-    for name, n in Counter(names).items():
-        if n > 1:
-            what = ", ".join(kinds[name])
-            message = f"{name!r} names {n} statements ({what}); names must be unique"
-            found.append(Finding("error", "duplicate_name", name, message))
+    invalid: Finding | None = None
     try:
         Definition(root)
     except WorkflowError as e:
-        if not found:  # the duplicates above are what validation stops at
-            found.append(Finding("error", "invalid", "", str(e)))
+        invalid = Finding("error", "invalid", "", str(e))
+    try:
+        duplicates = _duplicates(root)
+        warnings = _warnings(root)
+    except Exception:
+        if invalid is None:
+            raise
+        return [invalid]
+    # Validation stops at the first duplicate, which is reported above with the others.
+    errors = duplicates or ([invalid] if invalid else [])
+    return errors + warnings
+
+
+def _duplicates(root: Section) -> list[Finding]:
+    kinds: dict[str, list[str]] = {}
+    for name, kind in _names(root):
+        kinds.setdefault(name, []).append(kind)
+    found = []
+    for name, seen in kinds.items():
+        if len(seen) > 1:
+            message = (
+                f"{name!r} names {len(seen)} statements ({', '.join(seen)}); names must be unique"
+            )
+            found.append(Finding("error", "duplicate_name", name, message))
+    return found
+
+
+def _warnings(root: Section) -> list[Finding]:
+    found = []
     for s in walk(root):
         if isinstance(s, For) and not _blocks(s.body):
             message = (
@@ -135,7 +152,11 @@ def log_findings(registry: dict[str, type[Workflow]]) -> int:
     """Log the findings of every registered workflow type (at start); return how many."""
     count = 0
     for name, cls in sorted(registry.items()):
-        for f in lint_workflow(cls):
+        try:
+            findings = lint_workflow(cls)
+        except Exception as e:  # noqa: BLE001 - checking must never stop the daemon
+            findings = [Finding("error", "invalid", "", f"{type(e).__name__}: {e}")]
+        for f in findings:
             count += 1
             emit = log.error if f.level == "error" else log.warning
             emit(

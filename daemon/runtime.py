@@ -16,6 +16,7 @@ import anyio.abc
 import msgspec
 import structlog
 
+from . import repair
 from .actor import Actor, Item, Loaded, Reply
 from .arming import Arms
 from .clock import Clock, get_clock, use_clock
@@ -29,6 +30,7 @@ from .errors import (
     WorkflowNotFound,
 )
 from .handler import CallbackRequest
+from .lint import log_findings
 from .state import FINAL_STATUSES, EventStatus, State, WorkflowStatus
 from .store import Store, WorkflowRow
 from .workflow import Workflow
@@ -47,6 +49,10 @@ class Settings:
     retry_max_attempts: int = 0
     #: Workflows kept loaded in memory after their actor went idle.
     cache_size: int = 10_000
+    #: Start with every workflow held (`workflowd --hold`) until released.
+    hold: bool = False
+    #: What `gc` keeps by default (`[store] keep_finished_days`; 0: retention off).
+    keep_finished_days: float = 30.0
 
 
 class LogSource(Protocol):
@@ -94,6 +100,7 @@ class Runtime:
         self.actors: dict[str, Actor] = {}
         self.cache: OrderedDict[str, Loaded] = OrderedDict()
         self.stopping = False
+        self.hold = repair.Hold(settings.hold)
         self._idle = anyio.Event()
         self._idle.set()
 
@@ -116,6 +123,7 @@ class Runtime:
             tg.start_soon(rt.arms.run_timers)
             try:
                 await rt.recover()
+                log_findings(registry)
                 yield rt
             finally:
                 rt.stopping = True
@@ -125,6 +133,8 @@ class Runtime:
 
     def submit(self, workflow_id: str, item: Item) -> None:
         """Queue work for a workflow, starting its actor if it has none."""
+        if self.hold.park(workflow_id, item):
+            return
         actor = self.actors.get(workflow_id)
         if actor is None:
             actor = self.actors[workflow_id] = Actor(self, workflow_id)
@@ -138,6 +148,7 @@ class Runtime:
             await actor.run()
         finally:
             del self.actors[actor.workflow_id]
+            actor.done.set()
             if not self.actors:
                 self._idle.set()
 
@@ -231,38 +242,41 @@ class Runtime:
 
     async def recover(self) -> None:
         """Pick up every unfinished workflow: resume runnable ones, re-arm waiting ones."""
-        resumed = armed = broken = 0
+        counts = dict.fromkeys(("resumed", "armed", "broken", "held"), 0)
         async for row in self.store.unfinished():
-            try:
-                loaded = self.decode(row)
-            except WorkflowError as e:
-                broken += 1
-                log.error("workflow_corrupt", workflow_id=row.id, workflow=row.name, error=str(e))
-                await self.store.set_status(row.id, status=row.status, error=str(e))
-                continue
-            state = loaded.state
-            needs_setup = any(
-                ev.status is not EventStatus.SETUP for t in state.threads for ev in t.wait_events
-            )
-            if state.status is WorkflowStatus.RESUMING or needs_setup:
-                self.remember(loaded)
-                self.submit(row.id, Item("resume"))
-                resumed += 1
-            else:
-                try:
-                    self.rearm(loaded)
-                except Exception as e:  # noqa: BLE001 - one bad definition must not stop recovery
-                    broken += 1
-                    log.error("workflow_rearm_failed", workflow_id=row.id, error=str(e))
-                    continue
-                armed += 1
+            counts[await self.recover_one(row)] += 1
         for pending in await self.store.inbox_pending():
             req = CallbackRequest(pending.workflow_id, pending.thread_id, pending.event, pending.pc)
             self.submit(
                 pending.workflow_id,
                 Item("callback", req=req, input=pending.input, inbox_id=pending.id),
             )
-        log.info("recovered", resumed=resumed, armed=armed, broken=broken)
+        log.info("recovered", **counts)
+
+    async def recover_one(self, row: WorkflowRow) -> str:
+        """Resume or re-arm one unfinished workflow; return which (or "broken", "held")."""
+        if self.hold.holds(row.id):
+            return "held"
+        try:
+            loaded = self.decode(row)
+        except WorkflowError as e:
+            log.error("workflow_corrupt", workflow_id=row.id, workflow=row.name, error=str(e))
+            await self.store.set_status(row.id, status=row.status, error=str(e))
+            return "broken"
+        state = loaded.state
+        needs_setup = any(
+            ev.status is not EventStatus.SETUP for t in state.threads for ev in t.wait_events
+        )
+        if state.status is WorkflowStatus.RESUMING or needs_setup:
+            self.remember(loaded)
+            self.submit(row.id, Item("resume"))
+            return "resumed"
+        try:
+            self.rearm(loaded)
+        except Exception as e:  # noqa: BLE001 - one bad definition must not stop recovery
+            log.error("workflow_rearm_failed", workflow_id=row.id, error=str(e))
+            return "broken"
+        return "armed"
 
     # -- the API the control socket calls ---------------------------------------------------
 
@@ -319,6 +333,10 @@ class Runtime:
             raise CallbackNotFound(f"workflow {workflow_id} is {loaded.state.status}")
         req = CallbackRequest(workflow_id, thread_id or "", event, pc or 0)
         if wait:
+            if self.hold.holds(workflow_id):
+                raise Unavailable(
+                    f"workflow {workflow_id} is held: resume it, or send with no wait"
+                )
             return await self._submit_callback(req, input, True)
         inbox_id = await self.store.inbox_put(
             workflow_id, event, input, thread_id=thread_id or "", pc=pc or 0
@@ -334,7 +352,9 @@ class Runtime:
             return {"workflow_id": workflow_id, "status": loaded.state.status.value}
         reply = Reply()
         self.submit(workflow_id, Item("cancel", reply=reply))
-        self.actors[workflow_id].interrupt()
+        actor = self.actors.get(workflow_id)  # none while a repair holds the workflow off
+        if actor is not None:
+            actor.interrupt()
         await reply.wait()
         return {"workflow_id": workflow_id, "status": WorkflowStatus.CANCELLED.value}
 
@@ -363,6 +383,8 @@ class Runtime:
         if actor is not None and actor.running_step is not None:
             step, since = actor.running_step
             out["running_step"] = {"step": step, "for_s": round(time.monotonic() - since, 3)}
+        if self.hold.holds(workflow_id):
+            out["held"] = True
         return out
 
     async def history(
@@ -391,6 +413,48 @@ class Runtime:
     async def gc(self, keep_days: float) -> int:
         """Delete finished, failed and cancelled workflows older than `keep_days`."""
         return await self.store.delete_finished(self.clock.now() - keep_days * 86400)
+
+    # -- the operator's tools (daemon/repair.py) --------------------------------------------
+
+    async def graph(self, workflow: str, workflow_id: str | None, format: str) -> str:
+        """Draw a workflow type's definition; with an id, where that workflow is."""
+        return await repair.graph(self, workflow, workflow_id, format)
+
+    async def lint(self, workflow: str) -> builtins.list[dict[str, Any]]:
+        """Check a workflow type's definition."""
+        return repair.lint(self, workflow)
+
+    async def goto(
+        self, workflow_id: str, thread_id: str, statement: str, *, who: int | None = None
+    ) -> dict[str, Any]:
+        """Move a thread of a waiting or failed workflow to a statement and resume it."""
+        return await repair.goto(self, workflow_id, thread_id, statement, who)
+
+    async def edit(
+        self, workflow_id: str, values: dict[str, Any], *, who: int | None = None
+    ) -> dict[str, Any]:
+        """Change data fields of a waiting or failed workflow."""
+        return await repair.edit(self, workflow_id, values, who)
+
+    async def undo(self, workflow_id: str, *, who: int | None = None) -> dict[str, Any]:
+        """Revert the last goto or edit."""
+        return await repair.undo(self, workflow_id, who)
+
+    async def retry(self, workflow_id: str, *, who: int | None = None) -> dict[str, Any]:
+        """Resume a failed workflow from its failing step."""
+        return await repair.retry(self, workflow_id, who)
+
+    async def release(self, workflow_id: str) -> dict[str, Any]:
+        """Let one held workflow run."""
+        return await repair.release(self, workflow_id)
+
+    async def release_all(self) -> dict[str, Any]:
+        """End the hold: every held workflow runs."""
+        return await repair.release_all(self)
+
+    async def collect_garbage(self, keep_days: float | None = None) -> dict[str, Any]:
+        """Run the retention now."""
+        return await repair.collect_garbage(self, keep_days)
 
     def _check_open(self) -> None:
         if self.stopping:
