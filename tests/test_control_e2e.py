@@ -60,6 +60,15 @@ async def error_of(c: Client, op: str, **fields: Any) -> dict[str, Any]:
     return error
 
 
+async def logged(d: Daemon, event: str) -> None:
+    """Poll (bounded) until the daemon has logged `event`."""
+    with anyio.fail_after(20):
+        while True:
+            if any(r["event"] == event for r in d.records()):
+                return
+            await anyio.sleep(0.02)
+
+
 async def read_until_closed(c: Client) -> bytes:
     """Read what is left on the connection until the daemon closes it (bounded)."""
     data = c.buffer
@@ -339,12 +348,39 @@ class TestErrors:
                             break
                     await anyio.sleep(0.02)
 
-    @pytest.mark.skip(
-        reason="not deterministic: on SIGTERM the daemon closes the control socket before "
-        "draining, so no request can arrive while the runtime refuses work (unavailable)"
+    @pytest.mark.xfail(
+        strict=True,
+        reason="on SIGTERM workflowd cancels the control socket before draining the runtime: "
+        "in-flight requests get a bare hang-up and new ones cannot connect. Draining first is "
+        "not enough either: the actor's Unavailable reply then races the final cancel",
     )
     async def test_unavailable_while_shutting_down(self, tmp_path: Path) -> None:
-        """A request during shutdown gets unavailable."""
+        """During shutdown an in-flight send and a new start are answered unavailable."""
+        gate = tmp_path / "gate"
+        async with running_daemon(tmp_path, MODULES) as d:
+            try:
+                async with d.client() as waiting:
+                    await waiting.call(
+                        "start", workflow="Hold", workflow_id="h", input={"gate": "gate"}
+                    )
+                    # Queued behind the running step, which the drain lets finish.
+                    await waiting.stream.send(
+                        b'{"id": 9, "op": "send", "workflow_id": "h", "event": "poke"}\n'
+                    )
+                    assert (await waiting.call("ping"))["workflows"] == {"Resuming": 1}
+                    assert d.proc is not None
+                    d.proc.send_signal(signal.SIGTERM)
+                    await logged(d, "daemon_stopping")
+                    async with d.client() as late:
+                        err = await error_of(late, "start", workflow="Tally")
+                        assert err["code"] == "unavailable"
+                        assert (await late.call("show", workflow_id="h"))["status"] == "Resuming"
+                    gate.touch()
+                    lines = (await read_until_closed(waiting)).splitlines()
+                    assert [json.loads(line)["error"]["code"] for line in lines] == ["unavailable"]
+            finally:
+                gate.touch()
+            assert await d.stop() == 0
 
     @pytest.mark.skip(
         reason="internal is not reachable without a bug: every backend error is a "
