@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, assert_never
+from typing import Any, Protocol, assert_never, runtime_checkable
 
 import anyio
 import anyio.abc
@@ -68,6 +68,31 @@ class DaemonOps(Protocol):
 
     async def reload(self) -> dict[str, Any]: ...
     async def backup(self, path: str) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class Repairs(Protocol):
+    """What the control socket needs for the operator's tools (the runtime has them)."""
+
+    async def graph(self, workflow: str, workflow_id: str | None, format: str) -> str: ...
+    async def lint(self, workflow: str) -> Records: ...
+    async def goto(
+        self, workflow_id: str, thread_id: str, statement: str, *, who: int | None = None
+    ) -> dict[str, Any]: ...
+    async def edit(
+        self, workflow_id: str, values: dict[str, Any], *, who: int | None = None
+    ) -> dict[str, Any]: ...
+    async def undo(self, workflow_id: str, *, who: int | None = None) -> dict[str, Any]: ...
+    async def retry(self, workflow_id: str, *, who: int | None = None) -> dict[str, Any]: ...
+    async def release(self, workflow_id: str) -> dict[str, Any]: ...
+    async def release_all(self) -> dict[str, Any]: ...
+    async def collect_garbage(self, keep_days: float | None = None) -> dict[str, Any]: ...
+
+
+RepairRequest = (
+    proto.Graph | proto.Lint | proto.Goto | proto.Edit | proto.Undo | proto.Retry
+    | proto.Resume | proto.ResumeAll | proto.Gc
+)  # fmt: skip
 
 
 @functools.cache
@@ -256,7 +281,7 @@ class _Control:
                     stream, error(None, "forbidden", f"uid {uid} may not use workflowd")
                 )
                 return
-            await _Session(self, stream).run()
+            await _Session(self, stream, uid).run()
         finally:
             self.active -= 1
 
@@ -272,8 +297,8 @@ class _Control:
         with anyio.move_on_after(self.idle):
             await stream.send(encode(response))
 
-    async def dispatch(self, req: proto.AnyRequest, reply: Reply) -> Any:
-        """Run one request against the backend and return its result."""
+    async def dispatch(self, req: proto.AnyRequest, reply: Reply, who: int | None = None) -> Any:
+        """Run one request from the peer with uid `who` against the backend; return its result."""
         b = self.backend
         match req:
             case proto.Ping():
@@ -296,6 +321,37 @@ class _Control:
                 return await self._daemon().reload()
             case proto.Backup():
                 return await self._daemon().backup(req.path)
+            case (
+                proto.Graph() | proto.Lint() | proto.Goto() | proto.Edit() | proto.Undo()
+                | proto.Retry() | proto.Resume() | proto.ResumeAll() | proto.Gc()
+            ):  # fmt: skip
+                return await self._repair(req, who)
+            case _:
+                assert_never(req)
+
+    async def _repair(self, req: RepairRequest, who: int | None) -> Any:
+        b = self.backend
+        if not isinstance(b, Repairs):
+            raise Unavailable("this server does not offer the repair tools")
+        match req:
+            case proto.Graph():
+                return await b.graph(req.workflow, req.workflow_id, req.format)
+            case proto.Lint():
+                return await b.lint(req.workflow)
+            case proto.Goto():
+                return await b.goto(req.workflow_id, req.thread_id, req.statement, who=who)
+            case proto.Edit():
+                return await b.edit(req.workflow_id, req.set, who=who)
+            case proto.Undo():
+                return await b.undo(req.workflow_id, who=who)
+            case proto.Retry():
+                return await b.retry(req.workflow_id, who=who)
+            case proto.Resume():
+                return await b.release(req.workflow_id)
+            case proto.ResumeAll():
+                return await b.release_all()
+            case proto.Gc():
+                return await b.collect_garbage(req.keep_days)
             case _:
                 assert_never(req)
 
@@ -320,8 +376,10 @@ class _Control:
 class _Session:
     """One connection: reads request lines and answers each in its own task."""
 
-    def __init__(self, control: _Control, stream: anyio.abc.SocketStream) -> None:
-        self.control, self.stream = control, stream
+    def __init__(
+        self, control: _Control, stream: anyio.abc.SocketStream, uid: int | None = None
+    ) -> None:
+        self.control, self.stream, self.uid = control, stream, uid
         self.lock = anyio.Lock()
         self.slots = anyio.Semaphore(MAX_IN_FLIGHT)
         self.in_flight = 0
@@ -377,7 +435,7 @@ class _Session:
 
     async def _respond(self, req: proto.AnyRequest) -> dict[str, Any]:
         try:
-            return proto.ok(req.id, await self.control.dispatch(req, self.reply))
+            return proto.ok(req.id, await self.control.dispatch(req, self.reply, self.uid))
         except WorkflowError as e:
             return error(req.id, e.code, e.message)
         except Exception as e:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -113,7 +113,67 @@ class Backup(Request, tag="backup"):
     path: str
 
 
-AnyRequest = Ping | Start | Send | List | Show | History | Cancel | Logs | Reload | Backup
+class Graph(Request, tag="graph"):
+    """Draw a workflow type's definition; with `workflow_id`, where that workflow is."""
+
+    workflow: str
+    workflow_id: str | None = None
+    format: Literal["mermaid", "dot"] = "mermaid"
+
+
+class Lint(Request, tag="lint"):
+    """Check a workflow type's definition; the result lists errors and warnings."""
+
+    workflow: str
+
+
+class Goto(Request, tag="goto"):
+    """Move a thread of a waiting or failed workflow to a statement, then resume it."""
+
+    workflow_id: str
+    thread_id: str
+    statement: str
+
+
+class Edit(Request, tag="edit"):
+    """Set data fields (name -> JSON value) of a waiting or failed workflow."""
+
+    workflow_id: str
+    set: dict[str, Any]
+
+
+class Undo(Request, tag="undo"):
+    """Revert the last goto or edit of a waiting or failed workflow."""
+
+    workflow_id: str
+
+
+class Retry(Request, tag="retry"):
+    """Resume a failed workflow from its failing step."""
+
+    workflow_id: str
+
+
+class Resume(Request, tag="resume"):
+    """Let one workflow held by `workflowd --hold` run."""
+
+    workflow_id: str
+
+
+class ResumeAll(Request, tag="resume-all"):
+    """End the hold of `workflowd --hold`: every workflow runs."""
+
+
+class Gc(Request, tag="gc"):
+    """Delete finished workflows older than `keep_days` (default: the configured retention)."""
+
+    keep_days: Annotated[float, msgspec.Meta(ge=0)] | None = None
+
+
+AnyRequest = (
+    Ping | Start | Send | List | Show | History | Cancel | Logs | Reload | Backup
+    | Graph | Lint | Goto | Edit | Undo | Retry | Resume | ResumeAll | Gc
+)  # fmt: skip
 #: Each op's request type.
 REQUESTS: dict[str, type[AnyRequest]] = {t.__struct_config__.tag: t for t in AnyRequest.__args__}
 OPS = frozenset(REQUESTS)
