@@ -39,7 +39,14 @@ _KIND_OF_STATUS = {
     ThreadStatus.WAITING_CONDITION: "wait_for",
 }
 #: Settings read once at start; a reload that changes them says a restart is needed.
-RESTART_KEYS = ("daemon.socket", "daemon.socket_mode", "store.path", "store.synchronous")
+RESTART_KEYS = (
+    "daemon.socket",
+    "daemon.socket_mode",
+    "store.path",
+    "store.synchronous",
+    "store.history_keep",
+    "log.format",
+)
 
 
 def settings_of(cfg: Config) -> Settings:
