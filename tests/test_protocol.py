@@ -138,6 +138,7 @@ class TestCodes:
             "logs",
             "reload",
             "backup",
+            *("graph", "lint", "goto", "edit", "undo", "retry", "resume", "resume-all", "gc"),
         } == OPS
 
     def test_decode_response(self) -> None:
