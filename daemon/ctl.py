@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
+import subprocess
 import sys
 import tomllib
 from collections.abc import Iterator
@@ -26,6 +28,10 @@ class Unreachable(Exception):
 
 class NoSocket(Exception):
     """The command line, environment and config file do not say where the socket is."""
+
+
+class NoSvg(Exception):
+    """Graphviz's `dot` is missing or failed, so no SVG can be drawn."""
 
 
 class Connection:
@@ -75,6 +81,25 @@ def json_object(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError('expected a JSON object, like \'{"name": "x"}\'')
     return value
+
+
+def field_value(text: str) -> tuple[str, Any]:
+    """Parse one `FIELD=JSON` of `edit --set`."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError("expected FIELD=JSON, like count=3 or 'who=\"ann\"'")
+    return name, json_value(value)
+
+
+class SetFields(argparse.Action):
+    """Collect every `--set FIELD=JSON` into one dict."""
+
+    def __call__(
+        self, parser: Any, namespace: argparse.Namespace, values: Any, option: Any = None
+    ) -> None:
+        fields = getattr(namespace, self.dest, None) or {}
+        name, value = values
+        setattr(namespace, self.dest, {**fields, name: value})
 
 
 def add_global_options(parser: argparse.ArgumentParser, **defaults: Any) -> None:
@@ -128,7 +153,35 @@ def build_parser() -> argparse.ArgumentParser:
     command("reload", "load new workflow code and settings; refused if live workflows do not fit")
     p = command("backup", "copy the database, consistently, to a new file PATH the daemon writes")
     p.add_argument("path", metavar="PATH", type=os.path.abspath)
+    add_repair_commands(command)
     return parser
+
+
+def add_repair_commands(command: Any) -> None:
+    """Add the commands that draw, check and repair workflows."""
+    p = command("graph", "draw a workflow type's definition; with ID, where that workflow is")
+    p.add_argument("workflow", metavar="NAME")
+    p.add_argument("workflow_id", metavar="ID", nargs="?")
+    formats = ("mermaid", "dot", "svg")
+    p.add_argument("--format", choices=formats, default="mermaid", help="svg needs Graphviz")
+    p = command("lint", "check a workflow type's definition; exit 1 if it has errors")
+    p.add_argument("workflow", metavar="NAME")
+    p = command("goto", "move a thread of a waiting or failed workflow to a statement")
+    p.add_argument("workflow_id", metavar="ID")
+    p.add_argument("thread_id", metavar="THREAD", help="_main_, or a Go thread's id")
+    p.add_argument("statement", metavar="STATEMENT", help="a step, wait, event, loop or branch")
+    p = command("edit", "set data fields of a waiting or failed workflow")
+    p.add_argument("workflow_id", metavar="ID")
+    p.add_argument("--set", metavar="FIELD=JSON", type=field_value, action=SetFields, required=True)
+    for name, help in [
+        ("undo", "revert the last goto or edit of a workflow"),
+        ("retry", "resume a failed workflow from its failing step"),
+        ("resume", "let a workflow held by `workflowd --hold` run"),
+    ]:
+        command(name, help).add_argument("workflow_id", metavar="ID")
+    command("resume-all", "end the hold of `workflowd --hold`: every workflow runs")
+    p = command("gc", "delete finished workflows older than the retention now")
+    p.add_argument("--keep-days", type=float, help="default: [store] keep_finished_days")
 
 
 def socket_path(args: argparse.Namespace) -> Path:
@@ -218,6 +271,10 @@ def show(command: str, result: Any) -> str:
             return table(rows, columns) if rows else "no history"
         case "send", str(text):
             return text
+        case "graph", str(text):
+            return text.rstrip("\n")
+        case "lint", list(rows):
+            return table(rows, ["level", "code", "statement", "message"]) if rows else "no findings"
         case "reload", {"reloaded": bool()}:
             return reload_text(result)
         case "backup", {"path": str(path), "bytes": int(size)}:
@@ -237,6 +294,11 @@ def reload_text(result: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace, path: Path) -> int:
     """Send the request, print the response(s) and return the exit code."""
+    svg = args.command == "graph" and args.format == "svg"
+    if svg:
+        if shutil.which("dot") is None:
+            raise NoSvg("--format svg needs Graphviz's `dot` (install graphviz); try --format dot")
+        args.format = "dot"
     conn = Connection(path)
     conn.send(build_request(args))
     for response in conn.responses():
@@ -250,11 +312,23 @@ def run(args: argparse.Namespace, path: Path) -> int:
             continue
         if args.command != "logs":  # the end marker of `logs` is not worth printing
             result = response.get("result")
+            if svg:
+                result = to_svg(str(result))
             print(compact(result) if args.json else show(args.command, result))
+            if args.command == "lint" and any(f.get("level") == "error" for f in result or []):
+                return EXIT_ERROR
             if args.command == "reload" and not (result or {}).get("reloaded"):
                 return EXIT_ERROR
         return EXIT_OK
     return EXIT_OK  # not reached: responses() raises when the daemon hangs up
+
+
+def to_svg(dot: str) -> str:
+    """Render Graphviz text as SVG with the `dot` program."""
+    done = subprocess.run(["dot", "-Tsvg"], input=dot, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise NoSvg(f"dot failed ({done.returncode}): {done.stderr.strip()}")
+    return done.stdout
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -266,6 +340,9 @@ def main(argv: list[str] | None = None) -> None:
     except NoSocket as e:
         print(f"workflowctl: {e}", file=sys.stderr)
         code = EXIT_USAGE
+    except NoSvg as e:
+        print(f"workflowctl: {e}", file=sys.stderr)
+        code = EXIT_ERROR
     except Unreachable as e:
         print(f"workflowctl: cannot reach workflowd at {path}: {e}", file=sys.stderr)
         code = EXIT_UNREACHABLE
