@@ -6,7 +6,9 @@ import argparse
 import os
 import signal
 import sys
+import threading
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -55,9 +57,13 @@ async def run_daemon(
     registry: dict[str, type[Workflow]],
     hub: LogHub | None = None,
     *,
+    hold: bool = False,
     task_status: anyio.abc.TaskStatus[Runtime] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the daemon until SIGTERM/SIGINT; reports readiness once recovered and listening."""
+    """Run the daemon until SIGTERM/SIGINT; reports readiness once recovered and listening.
+
+    With `hold`, no workflow runs until `workflowctl resume-all` (or `resume ID`).
+    """
     notifier = Notifier.from_env(unset=True)
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with (
@@ -66,7 +72,7 @@ async def run_daemon(
                 synchronous=cfg.store.synchronous,
                 history_keep=cfg.store.history_keep,
             ) as store,
-            Runtime.open(store, registry, settings_of(cfg), logs=hub) as rt,
+            Runtime.open(store, registry, replace(settings_of(cfg), hold=hold), logs=hub) as rt,
             anyio.create_task_group() as tg,
         ):
             d = cfg.daemon
@@ -169,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="config file (default: ./config.toml, else $WORKFLOWD_CONFIG or /etc/workflowd)",
     )
+    parser.add_argument(
+        "--hold",
+        action="store_true",
+        help="start with every workflow paused, to inspect and repair them; "
+        "`workflowctl resume-all` releases them",
+    )
     args = parser.parse_args(argv)
     path = args.config or (Path("config.toml") if Path("config.toml").is_file() else None)
     try:
@@ -180,12 +192,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"workflowd: {e}", file=sys.stderr)
         return 2
     try:
-        anyio.run(run_daemon, cfg, registry, hub)
+        anyio.run(partial(run_daemon, hold=args.hold), cfg, registry, hub)
     except StoreLocked as e:
         print(f"workflowd: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    main_thread = threading.main_thread()
+    if any(t is not main_thread and t.is_alive() and not t.daemon for t in threading.enumerate()):
+        # A sync step still hangs in a worker thread past the grace period; the interpreter
+        # would wait for it forever. Everything durable is already committed.
+        log.warning("daemon_exit_abandoning_threads")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

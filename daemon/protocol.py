@@ -195,6 +195,8 @@ def decode_request(line: bytes) -> AnyRequest:
         raise ProtocolError("bad_request", f"invalid JSON: {e}") from None
     except msgspec.ValidationError as e:
         raise ProtocolError("bad_request", f"invalid JSON: {e}") from None
+    except RecursionError:
+        raise ProtocolError("bad_request", "invalid JSON: nested too deeply") from None
     if not isinstance(obj, dict):
         raise ProtocolError("bad_request", "a request must be a JSON object")
     raw_id = obj.get("id")

@@ -77,9 +77,6 @@ class TestHangingStep:
         assert "step_slow" in kinds
         assert (tmp_path / "steps.log").read_text().count(" slow ") == 1
 
-    @pytest.mark.xfail(
-        strict=True, reason="daemon/main.py must os._exit when a worker thread is stuck"
-    )
     async def test_stop_with_a_hung_sync_step(self, tmp_path: Path) -> None:
         """SIGTERM while a sync step hangs: the daemon still exits after its grace period."""
         env = {"E2E_STEP_LOG": str(tmp_path / "steps.log")}
@@ -382,9 +379,6 @@ class TestHostileInput:
             if d.proc is not None and d.proc.poll() is None:
                 await d.stop()
 
-    @pytest.mark.xfail(
-        strict=True, reason="daemon/protocol.py lets RecursionError escape decode_request"
-    )
     async def test_deeply_nested_json_is_answered(self, tmp_path: Path) -> None:
         """JSON nested a thousand deep gets a bad_request answer, not a dropped connection."""
         async with running_daemon(tmp_path, MODULES) as d:

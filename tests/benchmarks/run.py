@@ -26,6 +26,8 @@ BENCHMARKS: list[str] = [
     "bench_runtime",
     "bench_control",
     "bench_timers",
+    "bench_torture",
+    "bench_fuzz",
 ]
 
 KEYS = ("bench", "metric", "value", "unit", "target")
