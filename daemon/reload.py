@@ -59,6 +59,7 @@ def settings_of(cfg: Config) -> Settings:
         retry_initial_s=r.retry_initial_s,
         retry_max_s=r.retry_max_s,
         retry_max_attempts=r.retry_max_attempts,
+        keep_finished_days=cfg.store.keep_finished_days,
     )
 
 
