@@ -9,6 +9,7 @@ import importlib.metadata
 import os
 import pwd
 import socket
+import sqlite3
 import stat
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
@@ -438,6 +439,10 @@ class _Session:
             return proto.ok(req.id, await self.control.dispatch(req, self.reply, self.uid))
         except WorkflowError as e:
             return error(req.id, e.code, e.message)
+        except (sqlite3.Error, OSError) as e:
+            # Disk full, database locked: nothing was acknowledged, the client may retry.
+            log.error("control_storage_error", error=f"{type(e).__name__}: {e}")
+            return error(req.id, "unavailable", f"storage error: {type(e).__name__}: {e}")
         except Exception as e:
             log.exception("control_request_failed", op=type(req).__name__.lower())
             return error(req.id, "internal", f"{type(e).__name__}: {e}")
