@@ -65,13 +65,17 @@ def _is_record(tp: Any) -> bool:
 
 
 def _convert(input: Any, tp: Any) -> Any:
-    """Convert `input` to the record type `tp`, or return it unchanged for any other annotation."""
-    if not _is_record(tp):
+    """Convert `input` to `fn`'s annotation `tp` (a record, or a plain type such as int)."""
+    if tp is None or tp is Any or tp is object:
         return input
     try:
         return msgspec.convert(input, type=tp)
     except msgspec.ValidationError as e:
-        raise HandlerRejected(f"{e}; expected {tp.__name__} {_fields(tp)}") from e
+        if _is_record(tp):
+            raise HandlerRejected(f"{e}; expected {tp.__name__} {_fields(tp)}") from e
+        raise HandlerRejected(f"{e}; expected {_type_name(tp)}") from e
+    except TypeError:
+        return input  # an annotation msgspec cannot check (a plain class): pass it through
 
 
 def _fields(tp: type) -> str:

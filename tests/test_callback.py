@@ -169,3 +169,13 @@ class TestValidation:
 
         with pytest.raises(HandlerRejected, match="Expected `object`"):
             await Signal(fn).handle(REQ, "yes")
+
+    async def test_plain_annotation_checked(self) -> None:
+        """A plain annotation such as int is checked too, so bad data never reaches the workflow."""
+
+        def fn(n: int) -> int:
+            return n + 1
+
+        assert await Signal(fn).handle(REQ, 41) == 42
+        with pytest.raises(HandlerRejected, match="expected int"):
+            await Signal(fn).handle(REQ, 1.5)
