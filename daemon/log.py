@@ -16,6 +16,8 @@ import msgspec
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
 
+from .journal import JournalLogger, JournalRenderer
+
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
 # Method names structlog passes to processors, mapped to their level.
 _METHOD_LEVELS = {**LEVELS, "warn": 30, "exception": 40, "fatal": 50}
@@ -146,8 +148,13 @@ def configure_logging(
     stream: TextIO | None = None,
     cache: bool = True,
     hub: LogHub | None = None,
+    journal: str | None = None,
 ) -> None:
-    """Configure structlog and the stdlib root logger to write one line per event to `stream`."""
+    """Configure structlog and the stdlib root logger to write one line per event to `stream`.
+
+    With `journal` (journald's socket), our own records go there instead, each line with
+    native fields (WORKFLOW_ID=, STEP=...); `stream` then only gets what cannot be sent.
+    """
     out = stream if stream is not None else sys.stdout
     # Under systemd, $JOURNAL_STREAM is set and stdout is no TTY: JSON lines go to journald as is.
     as_json = fmt == "json" or (fmt == "auto" and not out.isatty())
@@ -163,11 +170,14 @@ def configure_logging(
     ]
     tail: list[Processor] = [structlog.processors.dict_tracebacks] if as_json else []
     tail += [hub.processor] if hub is not None else []
+    last: Processor = renderer if journal is None else JournalRenderer(renderer)
     structlog.configure(
-        processors=[_drop_below_level, *shared, *tail, renderer],
+        processors=[_drop_below_level, *shared, *tail, last],
         # Filtering happens in _drop_below_level, so the wrapper lets every level through.
         wrapper_class=structlog.make_filtering_bound_logger(logging.NOTSET),
-        logger_factory=structlog.PrintLoggerFactory(out),
+        logger_factory=(
+            structlog.PrintLoggerFactory(out) if journal is None else JournalLogger(out, journal)
+        ),
         cache_logger_on_first_use=cache,
     )
     handler = logging.StreamHandler(out)

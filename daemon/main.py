@@ -20,6 +20,8 @@ import structlog
 from .config import Config, load_config
 from .control import listener_from_systemd, serve
 from .errors import BadRequest, ConfigError, StoreLocked, ValidationError
+from .journal import JOURNAL_SOCKET
+from .journal import attached as journal_attached
 from .log import LogHub, configure_logging
 from .notify import Notifier, watchdog_loop
 from .reload import Reloader, settings_of
@@ -186,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(path or Config.default_path())
         hub = LogHub()
-        configure_logging(cfg.log.level, cfg.log.format, hub=hub)
+        # Under systemd, records go to journald natively, with fields (see daemon/journal.py).
+        native = JOURNAL_SOCKET if journal_attached(sys.stdout) else None
+        configure_logging(cfg.log.level, cfg.log.format, hub=hub, journal=native)
         registry = Reloader.load_registry(cfg)
     except (ConfigError, ValidationError) as e:
         print(f"workflowd: {e}", file=sys.stderr)
