@@ -253,10 +253,11 @@ class Reloader:
         """Use the new classes from now on; a workflow running now switches after its step."""
         for wid, loaded in list(self.rt.cache.items()):
             new_cls = registry.get(loaded.state.workflow)
-            if wid in self.rt.actors and new_cls is not None:
-                adopt(loaded.wf, new_cls)  # its actor holds this object; the step is in flight
-            else:
+            if wid not in self.rt.actors:
                 self.rt.forget(wid)  # decoded with the new class when next needed
+            elif new_cls is not None:
+                adopt(loaded.wf, new_cls)  # its actor holds this object; a step may be in flight
+            # An actor's object stays cached even if finished: the actor reads it back.
         self.rt.registry = registry
         for name in old:  # as `import` would: the package's attribute names the new module
             parent, _, child = name.rpartition(".")
