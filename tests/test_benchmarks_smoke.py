@@ -34,7 +34,12 @@ class TestRuntimeBench:
         _check(
             "bench_runtime",
             figures,
-            {f"{s}_{k}_steps_per_s" for s in shapes for k in ("sync", "async")},
+            {
+                f"{s}_{k}_{m}"
+                for s in shapes
+                for k in ("sync", "async")
+                for m in ("steps_per_s", "cpu_per_step_us")
+            },
         )
         assert {f["mode"] for f in figures} == {"in_process", "workflowd"}
 
@@ -48,7 +53,12 @@ class TestControlBench:
         metrics = {
             f"{m}_{c}_clients_{u}"
             for c in (1, 2)
-            for m, u in (("send_p50", "ms"), ("send_p99", "ms"), ("callbacks", "per_s"))
+            for m, u in (
+                ("send_p50", "ms"),
+                ("send_p99", "ms"),
+                ("callbacks", "per_s"),
+                ("daemon_cpu_per_callback", "us"),
+            )
         }
         _check("bench_control", figures, metrics)
 
@@ -59,8 +69,8 @@ class TestTimersBench:
     async def test_lateness(self, tmp_path: Path) -> None:
         """Every timer fires and its lateness is reported."""
         figures = await bench_timers.lateness(tmp_path, n=5, window_s=0.2, min_lead_s=0.5)
-        _check("bench_timers", figures, {"timer_late_p50_ms", "timer_late_p99_ms",
-                                          "timer_late_p100_ms"})  # fmt: skip
+        metrics = {f"timer_late_p{p}_ms" for p in (50, 99, 100)}
+        _check("bench_timers", figures, {*metrics, "daemon_cpu_per_fired_timer_us"})
 
     async def test_memory_and_recovery(self, tmp_path: Path) -> None:
         """Memory and recovery time of waiting workflows are reported after a restart."""

@@ -17,7 +17,7 @@ import anyio
 from tests.harness import Daemon, connect
 
 from .bench_workflows import Pinged
-from .common import bench_daemon, call_many, percentile, query, until_count
+from .common import bench_daemon, call_many, cpu_s, percentile, query, until_count
 
 #: clients -> sends per client
 ROUNDS: dict[int, int] = {1: 3_000, 16: 1_000}
@@ -51,6 +51,7 @@ async def run(tmp: Path, rounds: dict[int, int] | None = None, warmup: int = WAR
     rounds = rounds or ROUNDS
     figures: list[dict[str, Any]] = []
     async with bench_daemon(tmp / "daemon") as d:
+        assert d.proc is not None
         db = d.tmp / "wd.db"
         ids = [f"c{clients}-{n}" for clients in rounds for n in range(clients)]
         await call_many(d.socket, [{"op": "start", "workflow": Pinged.name, "workflow_id": i}
@@ -60,7 +61,9 @@ async def run(tmp: Path, rounds: dict[int, int] | None = None, warmup: int = WAR
         for clients, sends in rounds.items():
             tag = f"c{clients}"
             await _round(d, tag, clients, max(1, warmup // clients))
+            cpu = cpu_s(d.proc.pid)
             latencies, elapsed = await _round(d, tag, clients, sends)
+            cpu_us = (cpu_s(d.proc.pid) - cpu) / len(latencies) * 1e6
             context = {"mode": "workflowd", "clients": clients, "sends_each": sends}
             p50, p99 = (round(percentile(latencies, p) * 1000, 3) for p in (50, 99))
             target = TARGET_P50_MS_ONE_CLIENT if clients == 1 else None
@@ -70,9 +73,12 @@ async def run(tmp: Path, rounds: dict[int, int] | None = None, warmup: int = WAR
                 {"metric": f"send_p99_{clients}_clients_ms", "value": p99, "target": None},
                 {"metric": f"callbacks_{clients}_clients_per_s",
                  "value": round(len(latencies) / elapsed), "target": rate_target},
+                {"metric": f"daemon_cpu_per_callback_{clients}_clients_us",
+                 "value": round(cpu_us), "target": None},
             ]  # fmt: skip
-            for fig in figures[-3:]:
-                fig.update(bench="control", unit="1/s" if "per_s" in fig["metric"] else "ms")
+            for fig in figures[-4:]:
+                unit = "1/s" if "per_s" in fig["metric"] else fig["metric"].rsplit("_", 1)[1]
+                fig.update(bench="control", unit=unit)
                 fig.update(context)
             expected = max(1, warmup // clients) + sends
             rows = query(db, "SELECT data FROM workflows WHERE id LIKE ?", (f"{tag}-%",))

@@ -17,9 +17,17 @@ import anyio
 from daemon.runtime import Runtime
 from daemon.store import Store
 from daemon.workflow import Workflow
+from tests.harness import Daemon
 
 from .bench_workflows import AsyncSteps, SyncSteps
-from .common import bench_daemon, call_many, production_logging, query, until_count
+from .common import (
+    bench_daemon,
+    call_many,
+    cpu_s,
+    production_logging,
+    query,
+    until_count,
+)
 
 #: name -> (workflows started together, steps each, target steps/s)
 SHAPES: dict[str, tuple[int, int, float]] = {
@@ -31,22 +39,29 @@ REGISTRY = {cls.name: cls for cls in KINDS.values()}
 REPEATS = 3
 
 
-async def in_process(db: Path, kind: str, workflows: int, steps: int) -> float:
+#: steps/s and CPU µs per step (all threads of the process that runs the runtime)
+Result = tuple[float, float]
+
+
+async def in_process(db: Path, kind: str, workflows: int, steps: int) -> Result:
     """Start `workflows` workflows together in a fresh in-process runtime; return steps/s."""
     async with Store.open(db, synchronous="normal") as store, Runtime.open(store, REGISTRY) as rt:
+        cpu = time.process_time()
         start = time.perf_counter()
         async with anyio.create_task_group() as tg:
             for i in range(workflows):
                 tg.start_soon(rt.start, kind, f"w{i}", {"n": steps})
         await rt.wait_idle()
         elapsed = time.perf_counter() - start
+        cpu = time.process_time() - cpu
         counts = await rt.counts()
     if counts != {"Finished": workflows}:
         raise AssertionError(f"expected {workflows} finished workflows, got {counts}")
-    return workflows * steps / elapsed
+    total = workflows * steps
+    return total / elapsed, cpu / total * 1e6
 
 
-async def through_daemon(socket: Path, db: Path, tag: str, kind: str, n: int, steps: int) -> float:
+async def through_daemon(d: Daemon, tag: str, kind: str, n: int, steps: int) -> Result:
     """Start `n` workflows together over the control socket; return steps/s.
 
     The end is the last checkpoint's `updated_at` as the daemon stored it, so polling for
@@ -56,31 +71,32 @@ async def through_daemon(socket: Path, db: Path, tag: str, kind: str, n: int, st
         {"op": "start", "workflow": kind, "workflow_id": f"{tag}-{i}", "input": {"n": steps}}
         for i in range(n)
     ]
-    like = (f"{tag}-%",)
+    assert d.proc is not None
+    like, db = (f"{tag}-%",), d.tmp / "wd.db"
+    cpu = cpu_s(d.proc.pid)
     start = time.time()
-    await call_many(socket, requests, connections=min(n, 8))
+    await call_many(d.socket, requests, connections=min(n, 8))
     finished = "SELECT COUNT(*) FROM workflows WHERE id LIKE ? AND status = 'Finished'"
     await until_count(db, finished, like, n, limit_s=300, every_s=0.02)
+    cpu = cpu_s(d.proc.pid) - cpu
     (end,) = query(db, "SELECT MAX(updated_at) FROM workflows WHERE id LIKE ?", like)[0]
-    return n * steps / (float(end) - start)
+    return n * steps / (float(end) - start), cpu / (n * steps) * 1e6
 
 
-def _figure(
-    mode: str, shape: str, kind: str, size: tuple[int, int, float], rates: list[float]
-) -> dict[str, Any]:
+def _figures(
+    mode: str, shape: str, kind: str, size: tuple[int, int, float], results: list[Result]
+) -> list[dict[str, Any]]:
     workflows, steps, target = size
-    return {
-        "bench": "runtime",
-        "metric": f"{shape}_{kind}_steps_per_s",
-        "value": round(statistics.median(rates)),
-        "unit": "1/s",
-        "target": target,
-        "mode": mode,
-        "workflows": workflows,
-        "steps_each": steps,
-        "runs": [round(r) for r in rates],
-        "synchronous": "normal",
-    }
+    rates, cpus = [r for r, _ in results], [c for _, c in results]
+    context = {"mode": mode, "workflows": workflows, "steps_each": steps, "synchronous": "normal"}
+    return [
+        {"bench": "runtime", "metric": f"{shape}_{kind}_steps_per_s",
+         "value": round(statistics.median(rates)), "unit": "1/s", "target": target,
+         **context, "runs": [round(r) for r in rates]},
+        {"bench": "runtime", "metric": f"{shape}_{kind}_cpu_per_step_us",
+         "value": round(statistics.median(cpus)), "unit": "us", "target": None,
+         **context, "runs": [round(c) for c in cpus]},
+    ]  # fmt: skip
 
 
 async def run(
@@ -96,21 +112,18 @@ async def run(
     with production_logging(cache_loggers):
         for shape, (workflows, steps, _) in shapes.items():
             for kind, cls in KINDS.items():
-                rates = [
+                results = [
                     await in_process(tmp / f"{shape}-{kind}-{r}.db", cls.name, workflows, steps)
                     for r in range(repeats)
                 ]
-                figures.append(_figure("in_process", shape, kind, shapes[shape], rates))
+                figures += _figures("in_process", shape, kind, shapes[shape], results)
     if daemon:
         async with bench_daemon(tmp / "daemon") as d:
-            db = d.tmp / "wd.db"
             for shape, (workflows, steps, _) in shapes.items():
                 for kind, cls in KINDS.items():
-                    rates = [
-                        await through_daemon(
-                            d.socket, db, f"{shape}-{kind}-{r}", cls.name, workflows, steps
-                        )
+                    results = [
+                        await through_daemon(d, f"{shape}-{kind}-{r}", cls.name, workflows, steps)
                         for r in range(repeats)
                     ]
-                    figures.append(_figure("workflowd", shape, kind, shapes[shape], rates))
+                    figures += _figures("workflowd", shape, kind, shapes[shape], results)
     return figures

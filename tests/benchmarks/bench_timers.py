@@ -18,7 +18,7 @@ import anyio
 from tests.harness import Daemon, connect
 
 from .bench_workflows import Alarm
-from .common import bench_daemon, call_many, percentile, query, rss_mb, until_count
+from .common import bench_daemon, call_many, cpu_s, percentile, query, rss_mb, until_count
 
 LATENESS_TIMERS = 10_000
 WINDOW_S = 5.0
@@ -27,6 +27,7 @@ STARTS_PER_S_GUESS = 1_000.0
 MEMORY_WORKFLOWS = 100_000
 TARGET_RSS_MB = 500.0
 CONNECTIONS = 16
+_UNITS = (("_ms", "ms"), ("_us", "us"), ("_mb", "MB"), ("_per_s", "1/s"), ("_s", "s"))
 _COUNT = "SELECT COUNT(*) FROM workflows WHERE status = ?"
 
 
@@ -39,8 +40,7 @@ def _starts(n: int, at: float, spread_s: float) -> list[dict[str, Any]]:
 
 
 def _figure(metric: str, value: float, target: float | None, **context: Any) -> dict[str, Any]:
-    unit = next((u for s, u in (("_ms", "ms"), ("_mb", "MB"), ("_per_s", "1/s"), ("_s", "s"))
-                 if metric.endswith(s)), "")  # fmt: skip
+    unit = next((u for suffix, u in _UNITS if metric.endswith(suffix)), "")
     return {"bench": "timers", "metric": metric, "value": value, "unit": unit, "target": target,
             "mode": "workflowd", **context}  # fmt: skip
 
@@ -50,12 +50,15 @@ async def lateness(
 ) -> list[dict[str, Any]]:
     """Start `n` workflows whose timers fall due within the same `window_s`; return lateness."""
     async with bench_daemon(tmp) as d:
+        assert d.proc is not None
         db = d.tmp / "wd.db"
         window_at = time.time() + max(min_lead_s, n / STARTS_PER_S_GUESS)
         await call_many(d.socket, _starts(n, window_at, window_s), CONNECTIONS)
         lead_s = window_at - time.time()
+        cpu = cpu_s(d.proc.pid)
         limit_s = lead_s + window_s + 300
         await until_count(db, _COUNT, ("Finished",), n, limit_s=limit_s, every_s=0.1)
+        cpu = cpu_s(d.proc.pid) - cpu
         rows = query(db, "SELECT data FROM workflows")
     late = [json.loads(data)["late_s"] * 1000 for (data,) in rows]
     context = {
@@ -64,8 +67,11 @@ async def lateness(
         "all_started_before_window_by_s": round(lead_s, 2),
     }
     return [
-        _figure(f"timer_late_p{p}_ms", round(percentile(late, p), 2), None, **context)
-        for p in (50, 99, 100)
+        *(
+            _figure(f"timer_late_p{p}_ms", round(percentile(late, p), 2), None, **context)
+            for p in (50, 99, 100)
+        ),
+        _figure("daemon_cpu_per_fired_timer_us", round(cpu / n * 1e6), None, **context),
     ]
 
 

@@ -1,4 +1,4 @@
-"""Shared parts of the daemon benchmarks: logging as in production, a real daemon, a pipelined client."""
+"""Shared parts of the daemon benchmarks: production logging, a real daemon, a pipelined client."""
 
 from __future__ import annotations
 
@@ -58,6 +58,12 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def cpu_s(pid: int) -> float:
+    """Return the CPU seconds (user + system, all threads) a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @asynccontextmanager
 async def bench_daemon(tmp: Path, **sections: dict[str, Any]) -> AsyncIterator[Daemon]:
     """Run a real workflowd (synchronous=normal, JSON logs to a file) on the bench workflows."""
@@ -70,7 +76,7 @@ async def bench_daemon(tmp: Path, **sections: dict[str, Any]) -> AsyncIterator[D
 async def call_many(
     socket: Path, requests: Sequence[dict[str, Any]], connections: int = 8
 ) -> list[dict[str, Any]]:
-    """Send every request, pipelined over `connections` connections; return the responses in order."""
+    """Send every request, pipelined over `connections` connections; return responses in order."""
     responses: list[dict[str, Any]] = [{}] * len(requests)
 
     async def one(indexes: range) -> None:
