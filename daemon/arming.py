@@ -23,6 +23,7 @@ Key = tuple[str, str, str, int]
 Submit = Callable[[CallbackRequest, Any, bool], Coroutine[Any, Any, Any]]
 
 LISTEN_RETRY_MAX_S = 60.0
+REFUSED_GRACE_S = 1.0
 
 
 def key_of(req: CallbackRequest) -> Key:
@@ -76,7 +77,10 @@ class Arms:
         self._by_workflow.setdefault(key[0], set()).add(key)
 
     def disarm(self, key: Key) -> None:
-        """Stop a timer or cancel a listen task; a listener that is delivering may finish."""
+        """Stop a timer or cancel a listen task; a listener that is delivering may finish.
+
+        If that delivery is refused, the listener ends REFUSED_GRACE_S later (see `_listen`).
+        """
         self._timers.pop(key, None)  # its heap entry is skipped when popped
         scope = self._listeners.pop(key, None)
         if scope is not None and key not in self._delivering:
@@ -103,6 +107,12 @@ class Arms:
             self._delivering.add(key)
             try:
                 return await self._submit(req, value, True)
+            except Exception:
+                if self._listeners.get(key) is not scope:
+                    # Disarmed while delivering and refused: the wait is gone, so end the
+                    # listener once it had a moment to answer its client.
+                    scope.deadline = min(scope.deadline, anyio.current_time() + REFUSED_GRACE_S)
+                raise
             finally:
                 self._delivering.discard(key)
 
@@ -113,6 +123,8 @@ class Arms:
                     await listen(req, deliver)
                     return
                 except Exception as e:  # noqa: BLE001 - a broken listener is retried, never fatal
+                    if self._listeners.get(key) is not scope:
+                        return  # disarmed: it failed because its wait is gone
                     log.warning(
                         "listen_failed",
                         workflow_id=req.workflow_id,

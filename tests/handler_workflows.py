@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
+
 from daemon import For, Handler, On, S, Section, Step, Wait, Workflow
 from handlers import FileWatch, Signal, SocketListen, Timer
 
@@ -27,8 +29,9 @@ class Guarded(Workflow):
     """Waits for one handler under test (`it`) or a `stop` signal, and records which case ran.
 
     `kind` picks the handler: timer (`after` or `at`), file (`path`, `on`), socket
-    (`path` or `port`) or signal. Each case appends its name to `ran`, so exactly one
-    entry means exactly one case won; `seen["got"]` is the input the handler delivered.
+    (`path` or `port`) or signal; `stop_delay` makes the stop handler slow. Each case
+    appends its name to `ran`, so exactly one entry means exactly one case won;
+    `seen["got"]` is the input the handler delivered.
     """
 
     kind: str = "signal"
@@ -37,6 +40,7 @@ class Guarded(Workflow):
     path: str = ""
     on: str = "created"
     port: int | None = None
+    stop_delay: float = 0.0
     ran: list[str] = field(default_factory=list)
     seen: dict[str, Any] = field(default_factory=dict)
 
@@ -51,7 +55,9 @@ class Guarded(Workflow):
             case _:
                 return Signal(lambda input: {"echo": input})
 
-    def stop(self, reason: str) -> str:
+    async def stop(self, reason: str) -> str:
+        if self.stop_delay:
+            await anyio.sleep(self.stop_delay)  # lets the other case's event arrive meanwhile
         self.seen["stop"] = reason
         return f"stopped: {reason}"
 
