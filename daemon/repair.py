@@ -238,7 +238,7 @@ async def goto(
         t.pc += 1
         s.pc += 1
         s.update_status()
-        detail = {**_who(who), "thread": thread_id, "statement": statement, "kind": kind}
+        detail = {**_who(who), "thread": thread_id, "statement": statement, "target": kind}
         await _save(
             rt, loaded, "goto", {**detail, "before": was, "after": _thread(t), "undo": before}
         )
