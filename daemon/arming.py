@@ -81,7 +81,8 @@ class Arms:
 
         If that delivery is refused, the listener ends REFUSED_GRACE_S later (see `_listen`).
         """
-        self._timers.pop(key, None)  # its heap entry is skipped when popped
+        if self._timers.pop(key, None) is not None:
+            self._compact()
         scope = self._listeners.pop(key, None)
         if scope is not None and key not in self._delivering:
             scope.cancel()
@@ -90,6 +91,14 @@ class Arms:
             keys.discard(key)
             if not keys:
                 del self._by_workflow[key[0]]
+
+    def _compact(self) -> None:
+        """Drop disarmed timers from the heap once they outnumber the armed ones."""
+        # They are skipped when popped, but a loop whose signal keeps beating a long
+        # timeout would otherwise grow the heap by one entry per round until each is due.
+        if len(self._heap) > 2 * len(self._timers) + 64:
+            self._heap = [e for e in self._heap if self._timers.get(e[2]) == e[0]]
+            heapq.heapify(self._heap)
 
     def disarm_workflow(self, workflow_id: str) -> None:
         """Disarm every wait of one workflow."""

@@ -137,6 +137,17 @@ class TestTimer:
             await rt.wait_idle()
             assert (await rt.show("t"))["data"]["ran"] == ["stop"]
 
+    async def test_disarmed_timers_do_not_pile_up(self, tmp_path: Path) -> None:
+        """A loop whose signal always beats a long timer keeps the timer heap small."""
+        async with running(tmp_path / "wf.db", FakeClock()) as rt:
+            await rt.start("Race", "r", {"rounds": 300, "after": 86400})
+            for n in range(300):
+                await settled(rt, "r", "Waiting")
+                assert await rt.send("r", "poke") == n
+            await settled(rt, "r", "Finished")
+            assert len(rt.arms) == 0
+            assert len(rt.arms._heap) < 100  # the heap itself: stale entries are what leaks
+
     async def test_restart_keeps_the_stored_deadline(self, tmp_path: Path) -> None:
         """A deadline that passed while down fires on restart, with the deadline set up before."""
         db, clock = tmp_path / "wf.db", FakeClock()
