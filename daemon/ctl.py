@@ -267,6 +267,11 @@ def show(command: str, result: Any) -> str:
             columns = ["workflow_id", "workflow", "status", "updated_at", "waiting_for"]
             return table(rows, columns) if rows else "no workflows"
         case "history", list(rows):
+            # A repair's before-image (for undo) is too big for a table; --json shows it.
+            rows = [
+                {k: v for k, v in r.items() if k != "undo"} if isinstance(r, dict) else r
+                for r in rows
+            ]
             columns = list(dict.fromkeys(k for r in rows if isinstance(r, dict) for k in r))
             return table(rows, columns) if rows else "no history"
         case "send", str(text):

@@ -150,9 +150,12 @@ class _Builder:
         return [_Exit(n)]
 
 
-def _overlay(g: _Graph, state: State) -> None:
-    """Mark where each thread is, and the status of each wait event."""
-    failed = state.status is WorkflowStatus.FAILED
+def _overlay(g: _Graph, state: State, failed_step: str) -> None:
+    """Mark where each thread is, the step that failed, and the status of each wait event."""
+    # Without the failing step, the failed workflow's positions are what is marked as failed.
+    failed = state.status is WorkflowStatus.FAILED and failed_step not in g.named
+    if state.status is WorkflowStatus.FAILED and not failed:
+        _note(g, f"Failed: step {failed_step}", g.named[failed_step], "failed")
     if state.status is WorkflowStatus.FINISHED:
         _note(g, "Finished", g.threads[MAIN_THREAD][1], "here")
     for t in state.threads:
@@ -183,15 +186,24 @@ def _note(g: _Graph, text: str, where: str | None, mark: str) -> None:
 
 
 def render(
-    tree: dict[str, Any], fmt: str = "mermaid", *, state: State | None = None, title: str = ""
+    tree: dict[str, Any],
+    fmt: str = "mermaid",
+    *,
+    state: State | None = None,
+    title: str = "",
+    failed_step: str = "",
 ) -> str:
-    """Return the diagram of a definition tree in `fmt` ("mermaid" or "dot")."""
+    """Return the diagram of a definition tree in `fmt` ("mermaid" or "dot").
+
+    With a `state`, mark where each thread is (the position of a failed workflow is its last
+    checkpoint: the step after it is usually `failed_step`) and the status of each wait.
+    """
     if fmt not in FORMATS:
         raise ValueError(f"unknown graph format {fmt!r}; use one of {', '.join(FORMATS)}")
     b = _Builder()
     b.thread(MAIN_THREAD, tree.get("children", []), [])
     if state is not None:
-        _overlay(b.g, state)
+        _overlay(b.g, state, failed_step)
     return _mermaid(b.g, title) if fmt == "mermaid" else _dot(b.g, title)
 
 

@@ -228,9 +228,9 @@ async def goto(
         found = targets(root if go is None else go.body)
         kind, wait = found.get(statement, ("", ""))
         if kind in ("", "go"):
-            where = f"thread {thread_id}" + ("" if kind else " has no statement")
-            reason = "a Go cannot be a goto target" if kind else f"{statement!r}"
-            raise WorkflowNotFound(f"{where}: {reason}; targets: {', '.join(sorted(found))}")
+            why = f"{statement!r} is a Go, not a goto target" if kind else f"no {statement!r}"
+            targets_ = ", ".join(sorted(k for k, v in found.items() if v[0] != "go"))
+            raise WorkflowNotFound(f"thread {thread_id}: {why}; targets: {targets_}")
         before, was = _image(loaded), _thread(t)
         _revive(loaded)
         _release(t)
@@ -397,6 +397,7 @@ async def graph(rt: Runtime, workflow: str, workflow_id: str | None, fmt: str) -
     """Draw a workflow type's definition; with an id, that workflow's own, with its positions."""
     cls = _workflow_type(rt, workflow)
     state: State | None = None
+    failed: list[str] = []
     if workflow_id:
         row = await rt.store.get(workflow_id)
         if row is None:
@@ -405,13 +406,17 @@ async def graph(rt: Runtime, workflow: str, workflow_id: str | None, fmt: str) -
             raise Conflict(f"workflow {workflow_id} is a {row.name}, not a {workflow}")
         loaded = rt.decode(row)
         wf, state = loaded.wf, loaded.state
+        if state.status is WorkflowStatus.FAILED:
+            rows = await rt.store.history(workflow_id, limit=100)
+            failed = [str(r.detail.get("step", "")) for r in rows if r.kind == "step_failed"]
     else:
         try:
             wf = cls.from_input(None)
         except WorkflowError as e:
             raise BadRequest(f"{workflow} needs field values; give a workflow id: {e}") from e
     title = f"{workflow} {workflow_id}" if workflow_id else workflow
-    return render(definition_to_dict(_definition(wf)), fmt, state=state, title=title)
+    tree = definition_to_dict(_definition(wf))
+    return render(tree, fmt, state=state, title=title, failed_step=(failed or [""])[-1])
 
 
 def lint(rt: Runtime, workflow: str) -> list[dict[str, Any]]:
