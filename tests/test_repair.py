@@ -170,6 +170,24 @@ class TestGoto:
             done = await wait_status(c, "r1", "Finished")
             assert done["data"]["log"] == ["decided", "accepted", "finished"]
 
+    async def test_branch_then_loop(self, short_tmp: Path) -> None:
+        """goto a branch runs its body whatever its condition; goto a For re-enters the loop."""
+        async with client(short_tmp) as (_, c):
+            await waiting_review(c, "r1")
+            await c.call("goto", workflow_id="r1", thread_id="_main_", statement="rejected")
+
+            async def at(step: str) -> bool:
+                shown = await c.call("show", workflow_id="r1")
+                return bool(main_thread(shown)["cur_step"] == step and shown["status"] == "Waiting")
+
+            await eventually(lambda: at("second"))
+            shown = await c.call("show", workflow_id="r1")
+            assert shown["data"]["log"] == ["rejected"]
+            await c.call("goto", workflow_id="r1", thread_id="_main_", statement="rounds_loop")
+            await eventually(lambda: at("ask"))
+            shown = await c.call("show", workflow_id="r1")
+            assert set(shown["waiting_for"]) == {"nudge", "decide", "late"}
+
     async def test_refusals(self, short_tmp: Path) -> None:
         """Unknown threads and statements, other threads' statements and busy workflows are refused."""
         async with client(short_tmp) as (_, c):
