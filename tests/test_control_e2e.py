@@ -299,7 +299,7 @@ class TestErrors:
         assert after["data"]["seen"] == [4]
 
     async def test_stale_pc(self, tmp_path: Path) -> None:
-        """An event carrying the pc of an earlier wait is stale; the current pc is accepted."""
+        """An event carrying the pc of an earlier wait is stale; the current pc (and thread) work."""
         async with running_daemon(tmp_path, MODULES) as d, d.client() as c:
             await start_tally(c, "t")
             old = wait_pc(await c.call("show", workflow_id="t"))
@@ -310,7 +310,15 @@ class TestErrors:
             err = await error_of(c, "send", workflow_id="t", event="add", input=1, pc=old)
             assert err["code"] == "stale"
             assert (await c.call("show", workflow_id="t"))["data"] == shown["data"]
-            assert await c.call("send", workflow_id="t", event="add", input=1, pc=new) == 2
+            thread = shown["state"]["threads"][0]["id"]
+            fields = {
+                "workflow_id": "t",
+                "event": "add",
+                "input": 1,
+                "pc": new,
+                "thread_id": thread,
+            }
+            assert await c.call("send", **fields) == 2
 
     async def test_too_large_closes_only_that_connection(self, tmp_path: Path) -> None:
         """A line over max_request_bytes gets too_large and a hang-up; others keep working."""
