@@ -23,7 +23,7 @@ Key = tuple[str, str, str, int]
 Submit = Callable[[CallbackRequest, Any, bool], Coroutine[Any, Any, Any]]
 
 LISTEN_RETRY_MAX_S = 60.0
-REFUSED_GRACE_S = 1.0
+REFUSED_GRACE_S = 0.25
 
 
 def key_of(req: CallbackRequest) -> Key:

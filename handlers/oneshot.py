@@ -4,7 +4,8 @@ Clients are served concurrently. The first one that sends a line (at most
 1 MiB) hands it to the workflow: the line parsed as JSON, or the raw text if it
 is not JSON. It gets back one JSON line, `{"ok": true, "result": ...}`, and the
 exchange ends. If the workflow rejects the input, the client gets
-`{"ok": false, "error": {"code", "message"}}` and the next client may try. A
+`{"ok": false, "error": {"code", "message"}}` and the next client may try,
+unless the error says the wait is gone (another case won): then it ends too. A
 client that sends nothing for `timeout` seconds is dropped without holding up
 the others.
 """
@@ -19,7 +20,7 @@ import msgspec
 from anyio.abc import Listener, SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from daemon.errors import BadRequest, StaleCallback, WorkflowError
+from daemon.errors import BadRequest, CallbackNotFound, StaleCallback, WorkflowError
 from daemon.handler import Deliver
 
 MAX_LINE = 1 << 20
@@ -83,6 +84,13 @@ class OneShot:
                 return await self._reply(stream, _error(StaleCallback("the wait has fired")))
             try:
                 out = await self.deliver(_parse(line))
+            except (CallbackNotFound, StaleCallback) as e:
+                # Another case won: the wait is gone, so stop listening once this client knows.
+                self.release()
+                try:
+                    return await self._reply(stream, _error(e))
+                finally:
+                    self.done.set()
             except WorkflowError as e:
                 return await self._reply(stream, _error(e))
             except Exception:

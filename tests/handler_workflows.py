@@ -76,7 +76,8 @@ class Guarded(Workflow):
 
 @dataclass
 class Race(Workflow):
-    """Runs `rounds` Waits in a loop, each a short Timer against a `poke` Signal.
+    """Runs `rounds` Waits in a loop, each a short Timer (or, with `path`, a SocketListen)
+    against a `poke` Signal.
 
     Each case's step records `"<round>:<case>"` in `winners` and moves to the
     next round, so a round with two entries (or none) means both cases (or
@@ -85,6 +86,7 @@ class Race(Workflow):
 
     rounds: int = 200
     after: float = 0.005
+    path: str = ""
     round: int = 0
     winners: list[str] = field(default_factory=list)
 
@@ -98,6 +100,9 @@ class Race(Workflow):
 
         return step
 
+    def ticker(self) -> Handler:
+        return SocketListen(path=self.path) if self.path else Timer(after=self.after)
+
     def definition(self) -> Section:
         return S(
             For(
@@ -105,7 +110,7 @@ class Race(Workflow):
                 self.round < self.rounds,
                 Wait(
                     "race",
-                    On("tick", Timer(after=self.after), Step("by_timer", self.won("timer"))),
+                    On("tick", self.ticker(), Step("by_tick", self.won(self.ticker().type))),
                     On("poke", Signal(self.poke), Step("by_signal", self.won("signal"))),
                 ),
             )

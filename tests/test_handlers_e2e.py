@@ -431,6 +431,61 @@ class TestRace:
         assert not by_signal & set(refused)
         assert 0 not in pcs  # pc 0 would switch off the stale check
 
+    async def test_socket_against_signal(self, tmp_path: Path) -> None:
+        """A client and a poke race each round on one socket path; each round has one winner."""
+        sock, rounds = tmp_path / "race.sock", 40
+        replies: list[Any] = []
+        pokes: list[Any] = []
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Race", "r", {"rounds": rounds, "path": str(sock)})
+            with anyio.fail_after(30):
+                while True:
+                    await rt.wait_idle()
+                    loaded = await rt.load("r")
+                    if loaded.state.status.value == "Finished":
+                        break
+                    (pc,) = {
+                        ev.req.pc
+                        for t in loaded.state.threads
+                        for ev in t.wait_events
+                        if ev.req.name == "poke"
+                    }
+                    n = len(replies)
+
+                    async def poke() -> None:
+                        await anyio.sleep((n % 4) / 1000)  # noqa: B023 - awaited in this round
+                        try:
+                            pokes.append(await rt.send("r", "poke", None, pc=pc))  # noqa: B023
+                        except (CallbackNotFound, StaleCallback):
+                            pokes.append(None)
+
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(poke)
+                        await anyio.sleep((n // 4 % 4) / 1000)
+                        replies.append(await exchange_retrying(sock, f"{n}".encode()))
+            wf = (await rt.load("r")).wf
+            assert isinstance(wf, Race)
+            await until(lambda: listen_tasks() == 0)
+        assert [int(w.split(":")[0]) for w in wf.winners] == list(range(rounds))
+        won_by_client = [r["result"] for r in replies if r is not None and r["ok"]]
+        won_by_poke = [p for p in pokes if p is not None]
+        kinds = Counter(w.split(":")[1] for w in wf.winners)
+        assert kinds["socket"] == len(won_by_client) and kinds["signal"] == len(won_by_poke)
+        refused = [r["error"]["code"] for r in replies if r is not None and not r["ok"]]
+        assert set(refused) <= {"not_found", "stale"}
+        assert not sock.exists()
+
+
+async def exchange_retrying(sock: Path, line: bytes) -> Any:
+    """Send one line to whichever listener holds `sock`; None if none answers for a while."""
+    with anyio.move_on_after(0.5):  # the last round, won by a poke, leaves no listener
+        while True:
+            try:
+                return await exchange(sock, line=line)
+            except (OSError, json.JSONDecodeError, anyio.EndOfStream, anyio.BrokenResourceError):
+                await anyio.sleep(0.005)
+    return None
+
 
 class TestInDaemon:
     """Handlers inside a real workflowd process."""
