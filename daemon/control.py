@@ -14,7 +14,7 @@ import stat
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, assert_never, runtime_checkable
 
@@ -230,6 +230,10 @@ class _Control:
     idle: float
     active: int = 0
     ops: DaemonOps | None = None
+    #: Requests being answered across every connection.
+    in_flight: int = 0
+    _accepting: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    _quiet: anyio.Event = field(default_factory=anyio.Event)
 
     def configure(
         self,
@@ -246,16 +250,36 @@ class _Control:
         self.max_bytes, self.max_conns, self.idle = max_request_bytes, max_connections, idle_timeout
 
     async def accept_loop(self, listener: anyio.abc.SocketListener) -> None:
-        """Accept clients forever; running out of file descriptors must not stop the server."""
+        """Accept clients until `wind_down`; running out of file descriptors must not stop it."""
         async with anyio.create_task_group() as tg:
-            while True:
-                try:
-                    stream = await listener.accept()
-                except OSError as e:
-                    log.warning("control_accept_failed", error=str(e))
-                    await anyio.sleep(0.1)  # EMFILE and the like: give clients time to leave
-                    continue
-                tg.start_soon(self.connection, stream)
+            with self._accepting:
+                while True:
+                    try:
+                        stream = await listener.accept()
+                    except OSError as e:
+                        log.warning("control_accept_failed", error=str(e))
+                        await anyio.sleep(0.1)  # EMFILE and the like: give clients time to leave
+                        continue
+                    tg.start_soon(self.connection, stream)
+            await anyio.sleep_forever()  # open connections finish their answers until cancelled
+
+    async def wind_down(self, grace_s: float) -> None:
+        """Stop accepting, then wait up to `grace_s` for the answers still being written."""
+        self._accepting.cancel()
+        with anyio.move_on_after(grace_s):
+            while self.in_flight:
+                self._quiet = anyio.Event()
+                await self._quiet.wait()
+
+    def request_started(self) -> None:
+        """Count a request being answered."""
+        self.in_flight += 1
+
+    def request_done(self) -> None:
+        """Count a request answered."""
+        self.in_flight -= 1
+        if not self.in_flight:
+            self._quiet.set()
 
     async def connection(self, stream: anyio.abc.SocketStream) -> None:
         """Serve one client; nothing a client does may take the server down."""
@@ -403,6 +427,7 @@ class _Session:
                         req = e
                     await self.slots.acquire()
                     self.in_flight += 1
+                    self.control.request_started()
                     follow = isinstance(req, proto.Logs) and req.follow
                     (follows if follow else self.tg).start_soon(self._answer, req)
             follows.cancel_scope.cancel()  # the client stopped talking: stop streaming logs to it
@@ -432,6 +457,7 @@ class _Session:
                 await self.reply(await self._respond(req))
         finally:
             self.in_flight -= 1
+            self.control.request_done()
             self.slots.release()
 
     async def _respond(self, req: proto.AnyRequest) -> dict[str, Any]:

@@ -32,6 +32,8 @@ from .workflow import Workflow
 log = structlog.get_logger()
 STATUS_EVERY_S = 1.0
 GC_EVERY_S = 3600.0
+#: How long, at shutdown, answers still being written may take.
+ANSWER_GRACE_S = 1.0
 
 
 class DaemonOps:
@@ -80,7 +82,7 @@ async def run_daemon(
             d = cfg.daemon
             reloader = Reloader(cfg, rt, notifier)
             listener = await listener_from_systemd()
-            server = partial(
+            serve_control = partial(
                 serve,
                 rt,
                 socket_path=None if listener else d.socket,
@@ -97,9 +99,10 @@ async def run_daemon(
 
             async def run_control(*, task_status: anyio.abc.TaskStatus[Any]) -> None:
                 with control:
-                    await server(task_status=task_status)
+                    await serve_control(task_status=task_status)
 
-            reloader.on_config = partial(_configure_control, await tg.start(run_control))
+            server = await tg.start(run_control)
+            reloader.on_config = partial(_configure_control, server)
             tg.start_soon(watchdog_loop, notifier)
             tg.start_soon(_report_status, rt, notifier)
             tg.start_soon(_collect_garbage, rt, reloader)
@@ -113,11 +116,14 @@ async def run_daemon(
                 break
             log.info("daemon_stopping", signal=signal.Signals(signum).name)
             notifier.stopping()
-            control.cancel()
+            # The socket stays open while steps finish, so requests get `unavailable` rather
+            # than a hang-up; then the answers still in flight are written out.
             with anyio.CancelScope() as drain:
                 tg.start_soon(_second_signal, signals, drain)
                 finished = await rt.drain(reloader.cfg.daemon.shutdown_grace_s)
+                await server.wind_down(ANSWER_GRACE_S)
                 log.info("daemon_stopped", steps_finished=finished)
+            control.cancel()
             tg.cancel_scope.cancel()
     notifier.close()
 

@@ -357,12 +357,6 @@ class TestErrors:
                             break
                     await anyio.sleep(0.02)
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="on SIGTERM workflowd cancels the control socket before draining the runtime: "
-        "in-flight requests get a bare hang-up and new ones cannot connect. Draining first is "
-        "not enough either: the actor's Unavailable reply then races the final cancel",
-    )
     async def test_unavailable_while_shutting_down(self, tmp_path: Path) -> None:
         """During shutdown an in-flight send and a new start are answered unavailable."""
         gate = tmp_path / "gate"
