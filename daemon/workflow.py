@@ -75,6 +75,11 @@ def _check_fields(cls: type) -> None:
     for name, tp in typing.get_type_hints(cls).items():
         if typing.get_origin(tp) is ClassVar or tp is ClassVar:
             continue
+        if name in _RESERVED:
+            raise ValidationError(
+                f"{cls.__name__}.{name}: a data field may not be called {name!r}, "
+                "it would hide Workflow's own attribute of that name"
+            )
         check_field_type(tp, f"{cls.__name__}.{name}")
 
 
@@ -158,3 +163,7 @@ def collect(modules: Iterable[types.ModuleType]) -> dict[str, type[Workflow]]:
                 )
             found[obj.name] = obj
     return found
+
+
+#: Workflow's own attributes, which a data field must not hide.
+_RESERVED = frozenset(n for n in vars(Workflow) if not n.startswith("_"))

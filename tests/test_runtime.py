@@ -412,3 +412,20 @@ class TestRecovery:
             for n in range(50):
                 await until(rt, f"c{n}", "Finished")
             assert rt.store.stats.commits < rt.store.stats.writes
+
+
+class TestReservedFields:
+    """Data fields cannot hide Workflow's own attributes."""
+
+    def test_field_called_name_rejected(self) -> None:
+        """A field called `name` would hide the registered name, so it is refused at once."""
+        from daemon.errors import ValidationError
+
+        with pytest.raises(ValidationError, match="may not be called 'name'"):
+
+            @dataclass
+            class Named(Workflow):
+                name: str = "x"  # type: ignore[misc]
+
+                def definition(self) -> Section:
+                    return S()
