@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import grp
 import importlib.metadata
 import os
-import pwd
-import socket
 import sqlite3
-import stat
-import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -24,7 +18,8 @@ import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from . import protocol as proto
-from .errors import ConfigError, Unavailable, WorkflowError
+from . import sockfile
+from .errors import Unavailable, WorkflowError
 from .protocol import encode, error
 
 log = structlog.get_logger()
@@ -105,18 +100,6 @@ def version() -> str:
         return "0+unknown"
 
 
-async def listener_from_systemd(fd: int = 3) -> anyio.abc.SocketListener | None:
-    """Return the listening socket systemd passed us (socket activation), or None."""
-    if os.environ.get("LISTEN_PID") != str(os.getpid()):
-        return None
-    count = os.environ.get("LISTEN_FDS", "")
-    for name in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
-        os.environ.pop(name, None)  # so that our children do not think the socket is theirs
-    if not count.isdigit() or int(count) < 1:
-        return None
-    return await anyio.abc.SocketListener.from_socket(socket.socket(fileno=fd))
-
-
 async def serve(
     backend: Backend,
     *,
@@ -136,14 +119,14 @@ async def serve(
     Reports the server's state object as started, whose `configure` changes limits live.
     """
     uids = {0, os.getuid(), *allowed_uids}
-    gids = {_group_id(g) for g in allowed_groups}
+    gids = {sockfile.group_id(g) for g in allowed_groups}
     control = _Control(backend, uids, gids, max_request_bytes, max_connections, idle_timeout)
     control.ops = ops
     created: os.stat_result | None = None
     if listener is None:
         if socket_path is None:
             raise ValueError("serve() needs a socket_path or a listener")
-        listener, created = await _bind(Path(socket_path), socket_mode)
+        listener, created = await sockfile.bind(Path(socket_path), socket_mode)
     try:
         async with listener:
             log.info("control_listening", socket=str(socket_path or "(inherited)"))
@@ -151,71 +134,7 @@ async def serve(
             await control.accept_loop(listener)
     finally:
         if created is not None and socket_path is not None:
-            _unlink_if_same(Path(socket_path), created)
-
-
-def _group_id(group: int | str) -> int:
-    if isinstance(group, int):
-        return group
-    try:
-        return grp.getgrnam(group).gr_gid
-    except KeyError:
-        raise ConfigError(
-            f"unknown group {group!r} in the control socket's allowed groups"
-        ) from None
-
-
-async def _bind(path: Path, mode: int) -> tuple[anyio.abc.SocketListener, os.stat_result]:
-    await _remove_stale(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        try:
-            sock.bind(str(path))
-        except OSError as e:
-            raise Unavailable(f"cannot bind {path}: {e}") from None
-        # Nobody can connect before listen(), so the mode is right before the first client.
-        os.chmod(path, mode)
-        created = os.stat(path)
-        sock.listen(128)
-        return await anyio.abc.SocketListener.from_socket(sock), created
-    except BaseException:
-        sock.close()
-        raise
-
-
-async def _remove_stale(path: Path) -> None:
-    try:
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise Unavailable(f"{path} exists and is not a socket")
-    except FileNotFoundError:
-        return
-    try:
-        stream = await anyio.connect_unix(path)
-    except ConnectionRefusedError:
-        log.info("control_stale_socket_removed", socket=str(path))
-        os.unlink(path)
-        return
-    except FileNotFoundError:
-        return
-    except OSError as e:
-        raise Unavailable(f"cannot tell whether {path} is in use: {e}") from None
-    await stream.aclose()
-    raise Unavailable(f"another workflowd is listening on {path}")
-
-
-def _unlink_if_same(path: Path, created: os.stat_result) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        now = os.lstat(path)
-        if (now.st_dev, now.st_ino) == (created.st_dev, created.st_ino):
-            os.unlink(path)
-
-
-def _peer_groups(uid: int, gid: int) -> set[int]:
-    try:
-        return {gid, *os.getgrouplist(pwd.getpwuid(uid).pw_name, gid)}
-    except KeyError:
-        return {gid}
+            sockfile.unlink_if_same(Path(socket_path), created)
 
 
 @dataclass
@@ -246,7 +165,7 @@ class _Control:
     ) -> None:
         """Apply new allow-lists and limits (a reload); open connections keep their session."""
         self.uids = {0, os.getuid(), *allowed_uids}
-        self.gids = {_group_id(g) for g in allowed_groups}
+        self.gids = {sockfile.group_id(g) for g in allowed_groups}
         self.max_bytes, self.max_conns, self.idle = max_request_bytes, max_connections, idle_timeout
 
     async def accept_loop(self, listener: anyio.abc.SocketListener) -> None:
@@ -297,9 +216,7 @@ class _Control:
             return
         self.active += 1
         try:
-            raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
-            creds = raw.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            pid, uid, gid = struct.unpack("3i", creds)
+            pid, uid, gid = sockfile.peer_credentials(stream)
             if not await self._allowed(uid, gid):
                 log.warning("control_forbidden", uid=uid, gid=gid, pid=pid)
                 await self._say(
@@ -315,7 +232,7 @@ class _Control:
             return True
         if not self.gids:
             return False
-        groups = await anyio.to_thread.run_sync(_peer_groups, uid, gid)
+        groups = await anyio.to_thread.run_sync(sockfile.peer_groups, uid, gid)
         return not self.gids.isdisjoint(groups)
 
     async def _say(self, stream: anyio.abc.SocketStream, response: dict[str, Any]) -> None:

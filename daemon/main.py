@@ -18,7 +18,7 @@ import anyio.abc
 import structlog
 
 from .config import Config, load_config
-from .control import listener_from_systemd, serve
+from .control import serve
 from .errors import BadRequest, ConfigError, StoreLocked, ValidationError
 from .journal import JOURNAL_SOCKET
 from .journal import attached as journal_attached
@@ -26,6 +26,7 @@ from .log import LogHub, configure_logging
 from .notify import Notifier, watchdog_loop
 from .reload import Reloader, settings_of
 from .runtime import Runtime
+from .sockfile import listener_from_systemd
 from .store import Store
 from .workflow import Workflow
 

@@ -26,7 +26,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.control import Backend, listener_from_systemd, serve
+from daemon.control import Backend, serve
 from daemon.errors import (
     CallbackNotFound,
     Conflict,
@@ -37,6 +37,7 @@ from daemon.errors import (
     WorkflowNotFound,
 )
 from daemon.protocol import ERROR_CODES, OPS, encode
+from daemon.sockfile import listener_from_systemd
 
 REPO = Path(__file__).resolve().parent.parent
 Record = dict[str, Any]
@@ -575,7 +576,8 @@ os.execv(sys.executable, [sys.executable, "-c", sys.argv[2]])
 
 ACTIVATED = """
 import anyio, os
-from daemon.control import listener_from_systemd, serve
+from daemon.control import serve
+from daemon.sockfile import listener_from_systemd
 from tests.test_control import MemoryBackend
 
 async def main():

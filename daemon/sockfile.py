@@ -1,0 +1,108 @@
+"""The control socket's file and peers: bind without stealing, socket activation, credentials."""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import os
+import pwd
+import socket
+import stat
+import struct
+from pathlib import Path
+
+import anyio
+import anyio.abc
+import structlog
+
+from .errors import ConfigError, Unavailable
+
+log = structlog.get_logger()
+
+
+async def listener_from_systemd(fd: int = 3) -> anyio.abc.SocketListener | None:
+    """Return the listening socket systemd passed us (socket activation), or None."""
+    if os.environ.get("LISTEN_PID") != str(os.getpid()):
+        return None
+    count = os.environ.get("LISTEN_FDS", "")
+    for name in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        os.environ.pop(name, None)  # so that our children do not think the socket is theirs
+    if not count.isdigit() or int(count) < 1:
+        return None
+    return await anyio.abc.SocketListener.from_socket(socket.socket(fileno=fd))
+
+
+def group_id(group: int | str) -> int:
+    """Resolve a group name or gid to a gid."""
+    if isinstance(group, int):
+        return group
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(
+            f"unknown group {group!r} in the control socket's allowed groups"
+        ) from None
+
+
+async def bind(path: Path, mode: int) -> tuple[anyio.abc.SocketListener, os.stat_result]:
+    """Bind and listen at `path` with `mode`, replacing a stale socket but never a live one."""
+    await _remove_stale(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        try:
+            sock.bind(str(path))
+        except OSError as e:
+            raise Unavailable(f"cannot bind {path}: {e}") from None
+        # Nobody can connect before listen(), so the mode is right before the first client.
+        os.chmod(path, mode)
+        created = os.stat(path)
+        sock.listen(128)
+        return await anyio.abc.SocketListener.from_socket(sock), created
+    except BaseException:
+        sock.close()
+        raise
+
+
+async def _remove_stale(path: Path) -> None:
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise Unavailable(f"{path} exists and is not a socket")
+    except FileNotFoundError:
+        return
+    try:
+        stream = await anyio.connect_unix(path)
+    except ConnectionRefusedError:
+        log.info("control_stale_socket_removed", socket=str(path))
+        os.unlink(path)
+        return
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise Unavailable(f"cannot tell whether {path} is in use: {e}") from None
+    await stream.aclose()
+    raise Unavailable(f"another workflowd is listening on {path}")
+
+
+def unlink_if_same(path: Path, created: os.stat_result) -> None:
+    """Remove the socket file at `path` if it is still the one we created."""
+    with contextlib.suppress(FileNotFoundError):
+        now = os.lstat(path)
+        if (now.st_dev, now.st_ino) == (created.st_dev, created.st_ino):
+            os.unlink(path)
+
+
+def peer_groups(uid: int, gid: int) -> set[int]:
+    """Return a peer's primary and supplementary groups (from the user database)."""
+    try:
+        return {gid, *os.getgrouplist(pwd.getpwuid(uid).pw_name, gid)}
+    except KeyError:
+        return {gid}
+
+
+def peer_credentials(stream: anyio.abc.SocketStream) -> tuple[int, int, int]:
+    """Return the connected peer's (pid, uid, gid) from SO_PEERCRED."""
+    raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+    creds = raw.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", creds)
+    return pid, uid, gid
