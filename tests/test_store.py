@@ -11,7 +11,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from daemon import store as store_module
+from daemon import schema as schema_module
 from daemon.clock import FakeClock, use_clock
 from daemon.errors import ConfigError, StoreLocked, Unavailable, WorkflowNotFound
 from daemon.store import MIGRATIONS, Store, WorkflowRow
@@ -73,7 +73,7 @@ class TestOpen:
         async with Store.open(db):
             pass
         extra = "CREATE TABLE ran (x INTEGER); INSERT INTO ran VALUES (1);"
-        monkeypatch.setattr(store_module, "MIGRATIONS", [*MIGRATIONS, extra])
+        monkeypatch.setattr(schema_module, "MIGRATIONS", [*MIGRATIONS, extra])
         for _ in range(2):
             async with Store.open(db):
                 pass

@@ -1,0 +1,193 @@
+"""The SQLite file: schema migrations, row types, SQL text, locking and opening connections."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import sqlite3
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiosqlite
+import anyio
+import msgspec
+
+from .errors import BadRequest, ConfigError, Conflict, StoreLocked
+
+FINAL = ("Finished", "Failed", "Cancelled")
+SYNCHRONOUS = {"normal": "NORMAL", "full": "FULL"}
+COLS = "id, name, status, data, state, error, attempt, next_run_at, created_at, updated_at"
+FINAL_ROWS = "status IN (?, ?, ?) AND updated_at < ?"
+
+#: MIGRATIONS[n] takes the schema from version n to n + 1; append new ones, never edit old ones.
+MIGRATIONS: list[str] = [
+    """
+    CREATE TABLE workflows (
+        id TEXT PRIMARY KEY, name TEXT NOT NULL, status TEXT NOT NULL,
+        data TEXT NOT NULL, state TEXT NOT NULL, error TEXT,
+        attempt INTEGER NOT NULL DEFAULT 0, next_run_at REAL,
+        created_at REAL NOT NULL, updated_at REAL NOT NULL,
+        history_seq INTEGER NOT NULL DEFAULT 0  -- per-workflow counter: makes retention a range delete
+    );
+    CREATE INDEX workflows_status ON workflows (status);
+    CREATE TABLE history (
+        id INTEGER PRIMARY KEY, workflow_id TEXT NOT NULL, seq INTEGER NOT NULL,
+        at REAL NOT NULL, kind TEXT NOT NULL, detail TEXT NOT NULL
+    );
+    CREATE INDEX history_workflow ON history (workflow_id, seq);
+    CREATE TABLE inbox (
+        id INTEGER PRIMARY KEY AUTOINCREMENT, workflow_id TEXT NOT NULL, event TEXT NOT NULL,
+        thread_id TEXT NOT NULL, pc INTEGER NOT NULL, input TEXT NOT NULL, created_at REAL NOT NULL
+    );
+    CREATE INDEX inbox_workflow ON inbox (workflow_id);
+    """,
+]
+
+INSERT_WORKFLOW = (
+    f"INSERT INTO workflows ({COLS}, history_seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " ON CONFLICT (id) DO NOTHING"
+)
+CHECKPOINT = (
+    "UPDATE workflows SET status = ?, data = ?, state = ?, error = ?, attempt = ?, next_run_at = ?,"
+    " updated_at = ?, history_seq = history_seq + ? WHERE id = ? RETURNING history_seq"
+)
+SET_STATUS = (
+    "UPDATE workflows SET status = ?, error = ?, attempt = COALESCE(?, attempt), next_run_at = ?,"
+    " updated_at = ?, history_seq = history_seq + ? WHERE id = ? RETURNING history_seq"
+)
+ADD_HISTORY = (
+    "UPDATE workflows SET history_seq = history_seq + ? WHERE id = ? RETURNING history_seq"
+)
+INSERT_HISTORY = "INSERT INTO history (workflow_id, seq, at, kind, detail) VALUES (?, ?, ?, ?, ?)"
+TRIM_HISTORY = "DELETE FROM history WHERE workflow_id = ? AND seq <= ?"
+
+_encoder = msgspec.json.Encoder()
+History = Sequence[tuple[str, dict[str, Any]]]
+Entries = Sequence[tuple[float, str, str]]
+
+
+def to_json(value: Any) -> str:
+    return _encoder.encode(value).decode()
+
+
+def detail_of(text: str) -> dict[str, Any]:
+    """Decode a history detail; a corrupt one is shown as its text rather than failing."""
+    try:
+        detail = msgspec.json.decode(text)
+    except msgspec.DecodeError as e:
+        return {"corrupt": text, "error": str(e)}
+    return detail if isinstance(detail, dict) else {"value": detail}
+
+
+@dataclass(slots=True)
+class WorkflowRow:
+    """One workflow as stored: its data and engine state as JSON text."""
+
+    id: str
+    name: str
+    status: str
+    data: str
+    state: str
+    error: str | None = None
+    attempt: int = 0
+    next_run_at: float | None = None
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+
+@dataclass(slots=True)
+class HistoryRow:
+    """One entry of a workflow's history."""
+
+    id: int
+    workflow_id: str
+    at: float
+    kind: str
+    detail: dict[str, Any]
+
+
+@dataclass(slots=True)
+class InboxRow:
+    """A callback that was acknowledged but not yet applied to its workflow."""
+
+    id: int
+    workflow_id: str
+    event: str
+    thread_id: str
+    pc: int
+    input: Any
+    created_at: float
+
+
+@contextlib.contextmanager
+def exclusive_lock(db: Path) -> Iterator[None]:
+    lock = db.with_name(db.name + ".lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StoreLocked(f"another workflowd holds {db} (lock {lock})") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+async def connect(
+    stack: contextlib.AsyncExitStack, path: Path, pragmas: str
+) -> aiosqlite.Connection:
+    conn = await aiosqlite.connect(path, isolation_level=None)
+
+    async def close() -> None:
+        with anyio.CancelScope(shield=True):
+            await conn.close()
+
+    stack.push_async_callback(close)
+    await conn.executescript(pragmas)
+    return conn
+
+
+async def migrate(conn: aiosqlite.Connection, path: Path) -> None:
+    (version,) = next(iter(await conn.execute_fetchall("PRAGMA user_version")))
+    if version > len(MIGRATIONS):
+        raise ConfigError(
+            f"{path} has schema version {version}; this workflowd knows {len(MIGRATIONS)}"
+        )
+    for v in range(version, len(MIGRATIONS)):
+        try:
+            await conn.executescript(
+                f"BEGIN IMMEDIATE; {MIGRATIONS[v]}; PRAGMA user_version = {v + 1}; COMMIT;"
+            )
+        except BaseException:
+            await conn.rollback()
+            raise
+
+
+def backup_file(src_path: Path, dest: Path) -> int:
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    try:
+        src = sqlite3.connect(src_path)
+        try:
+            dst = sqlite3.connect(tmp)
+            try:
+                src.backup(dst)
+                # A self-contained file: no -wal beside it to copy along.
+                dst.execute("PRAGMA journal_mode = DELETE")
+            finally:
+                dst.close()
+        finally:
+            src.close()
+        os.link(tmp, dest)
+        return os.stat(dest).st_size
+    except FileExistsError:
+        raise Conflict(f"{dest} exists; pick a new name") from None
+    except (OSError, sqlite3.Error) as e:
+        raise BadRequest(f"cannot write {dest}: {e}") from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
