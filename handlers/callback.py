@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import typing
 from collections.abc import Callable
@@ -38,17 +39,31 @@ class Signal:
         """Validate the input against `fn`'s annotation, call `fn` and return its result."""
         if self.fn is None:
             return None
-        params = list(inspect.signature(self.fn).parameters.values())
-        if not params:
-            result = self.fn()
-        else:
-            result = self.fn(_convert(input, _annotation(self.fn, params[0].name)))
+        takes_input, annotation = _parameter_of(self.fn)
+        result = self.fn(_convert(input, annotation)) if takes_input else self.fn()
         if inspect.isawaitable(result):
             result = await result
         return result
 
     async def teardown(self, req: CallbackRequest, handled: bool) -> None:
         """Release nothing: setup armed nothing."""
+
+
+def _parameter_of(fn: Callable[..., Any]) -> tuple[bool, Any]:
+    """Return whether `fn` takes the input, and its annotation (cached: it runs per callback)."""
+    func = getattr(fn, "__func__", None)  # a bound method is made anew on every definition()
+    try:
+        return _parameter(func, True) if func is not None else _parameter(fn, False)
+    except TypeError:  # an unhashable callable object: not cached
+        return _parameter.__wrapped__(fn, False)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parameter(fn: Callable[..., Any], bound: bool) -> tuple[bool, Any]:
+    params = list(inspect.signature(fn).parameters.values())[1 if bound else 0 :]
+    if not params:
+        return False, None
+    return True, _annotation(fn, params[0].name)
 
 
 def _annotation(fn: Callable[..., Any], name: str) -> Any:
