@@ -72,10 +72,21 @@ def fds(pid: int | str = "self") -> Counter[str]:
     return kinds
 
 
-def unix_listening(path: Path) -> bool:
-    """Tell whether any socket in this network namespace is bound to `path`."""
+def unix_sockets(path: Path) -> list[int]:
+    """Return the flags of every socket in this network namespace bound to `path`."""
     with open("/proc/net/unix") as f:
-        return any(line.split()[-1] == str(path) for line in f.readlines()[1:] if line.split()[7:])
+        rows = [line.split() for line in f.readlines()[1:]]
+    return [int(row[3], 16) for row in rows if row[7:] == [str(path)]]
+
+
+def unix_bound(path: Path) -> bool:
+    """Tell whether any socket (listening, accepted or just bound) still holds `path`."""
+    return bool(unix_sockets(path))
+
+
+def unix_listening(path: Path) -> bool:
+    """Tell whether a socket listens on `path` (flag __SO_ACCEPTCON), so a connect succeeds."""
+    return any(flags & 0x10000 for flags in unix_sockets(path))
 
 
 def listen_tasks() -> int:
@@ -197,6 +208,23 @@ class TestFileWatch:
             await rt.wait_idle()
             assert (await rt.show("f"))["data"]["ran"] == ["stop"]
 
+    @pytest.mark.parametrize("on", ["created", "modified", "deleted"])
+    async def test_edge_while_down_fires_at_restart(self, tmp_path: Path, on: str) -> None:
+        """A create, write or delete that happened while the runtime was down fires on restart."""
+        db, target = tmp_path / "wf.db", tmp_path / "f.txt"
+        if on != "created":
+            target.write_text("before")
+        async with running(db) as rt:
+            await rt.start("Guarded", "f", {"kind": "file", "path": str(target), "on": on})
+            await settled(rt, "f", "Waiting")
+        if on == "deleted":
+            target.unlink()
+        else:
+            target.write_text("changed while down")
+        async with running(db) as rt:
+            shown = await settled(rt, "f", "Finished")
+            assert shown["data"]["seen"]["got"] == {"path": str(target), "change": on}
+
     async def test_exists_true_at_restart_fires(self, tmp_path: Path) -> None:
         """A file created while the runtime was down fires `exists` as soon as it is re-armed."""
         db, target = tmp_path / "wf.db", tmp_path / "flag"
@@ -218,12 +246,12 @@ class TestSocketListen:
         base = fds()["socket"]
         async with running(tmp_path / "wf.db") as rt:
             await rt.start("Guarded", "s", {"kind": "socket", "path": str(sock)})
-            await until(sock.exists)
+            await until(lambda: unix_listening(sock))
             assert await exchange(sock, line=b'{"a": 1}') == {"ok": True, "result": {"a": 1}}
             shown = await settled(rt, "s", "Finished")
             assert shown["data"]["seen"]["got"] == {"a": 1}
             await until(lambda: listen_tasks() == 0 and fds()["socket"] == base)
-            assert not sock.exists() and not unix_listening(sock)
+            assert not sock.exists() and not unix_bound(sock)
 
     async def test_listener_gone_when_signal_wins(self, tmp_path: Path) -> None:
         """A stop signal wins; the listener is closed and its socket file removed."""
@@ -236,7 +264,7 @@ class TestSocketListen:
             await settled(rt, "s", "Finished")
             assert len(rt.arms) == 0
             await until(lambda: listen_tasks() == 0 and fds()["socket"] == base)
-            assert not sock.exists() and not unix_listening(sock)
+            assert not sock.exists() and not unix_bound(sock)
             with pytest.raises(OSError):
                 await anyio.connect_unix(sock)
 
@@ -249,7 +277,7 @@ class TestSocketListen:
                 await rt.send(f"s{n}", "stop", "now")
             await rt.wait_idle()
             await until(lambda: listen_tasks() == 0)
-            assert [s.name for s in socks if s.exists() or unix_listening(s)] == []
+            assert [s.name for s in socks if s.exists() or unix_bound(s)] == []
 
     async def test_stopped_while_binding(self, tmp_path: Path) -> None:
         """A runtime stopped while its listeners bind leaves no socket file behind."""
@@ -281,10 +309,10 @@ class TestSocketListen:
         db, sock = tmp_path / "wf.db", tmp_path / "in.sock"
         async with running(db) as rt:
             await rt.start("Guarded", "s", {"kind": "socket", "path": str(sock)})
-            await until(sock.exists)
+            await until(lambda: unix_listening(sock))
         assert not sock.exists()
         async with running(db) as rt:
-            await until(sock.exists)
+            await until(lambda: unix_listening(sock))
             assert await exchange(sock, line=b"7") == {"ok": True, "result": 7}
             assert (await settled(rt, "s", "Finished"))["data"]["ran"] == ["it"]
 
@@ -341,7 +369,7 @@ class TestLateEvent:
             assert reply["ok"] is False and reply["error"]["code"] in ("not_found", "stale")
             assert (await settled(rt, "s", "Finished"))["data"]["ran"] == ["stop"]
             await until(lambda: listen_tasks() == 0 and fds() == base)
-            assert not sock.exists() and not unix_listening(sock)
+            assert not sock.exists() and not unix_bound(sock)
 
     async def test_file_event_during_stop(self, tmp_path: Path) -> None:
         """The file event is refused and the watch is closed, not retried."""
@@ -516,10 +544,10 @@ class TestInDaemon:
         sock = tmp_path / "in.sock"
         async with running_daemon(tmp_path, MODULES) as d, d.client() as c:
             await c.call("start", workflow="Guarded", workflow_id="s", input=listen(sock))
-            await until(sock.exists)
+            await until(lambda: unix_listening(sock))
             assert await exchange(sock, line=b'{"n": 1}') == {"ok": True, "result": {"n": 1}}
             assert (await wait_status(c, "s", "Finished"))["data"]["ran"] == ["it"]
-            await until(lambda: not sock.exists() and not unix_listening(sock))
+            await until(lambda: not sock.exists() and not unix_bound(sock))
 
     async def test_signal_fires(self, tmp_path: Path) -> None:
         """A signal sent over the control socket fires the case and its reply comes back."""
@@ -535,6 +563,7 @@ class TestInDaemon:
         """
         sock, target = tmp_path / "in.sock", tmp_path / "x"
         async with running_daemon(tmp_path, MODULES) as d, d.client() as c:
+            assert (await c.request("ping"))["ok"]  # our connection is accepted: count it in base
             base = fds(pid(d))
             await c.call("start", workflow="Guarded", workflow_id="f", input=watch(target))
             await c.call("start", workflow="Guarded", workflow_id="s", input=listen(sock))
@@ -548,7 +577,7 @@ class TestInDaemon:
                 )
                 assert (await wait_status(c, wid, "Finished"))["data"]["ran"] == ["stop"]
             await until(lambda: fds(pid(d)) == base)  # the inotify fd and the listener closed
-            assert not sock.exists() and not unix_listening(sock)
+            assert not sock.exists() and not unix_bound(sock)
 
     async def test_restart(self, tmp_path: Path) -> None:
         """After a restart: the overdue timer and the true `exists` fire, the socket reopens."""
@@ -558,7 +587,7 @@ class TestInDaemon:
                 await c.call("start", workflow="Guarded", workflow_id="t", input=timer(1.0))
                 await c.call("start", workflow="Guarded", workflow_id="f", input=exists(flag))
                 await c.call("start", workflow="Guarded", workflow_id="s", input=listen(sock))
-                await until(sock.exists)
+                await until(lambda: unix_listening(sock))
                 await wait_status(c, "t", "Waiting")
                 deadline = setup_deadline(await c.call("show", workflow_id="t"))
             assert await d.stop() == 0
@@ -572,7 +601,7 @@ class TestInDaemon:
                 assert shown["data"]["seen"]["got"]["deadline"] == deadline
                 shown = await wait_status(c, "f", "Finished")
                 assert shown["data"]["seen"]["got"] == {"path": str(flag), "change": "exists"}
-                await until(sock.exists)
+                await until(lambda: unix_listening(sock))
                 assert await exchange(sock, line=b"again") == {"ok": True, "result": "again"}
                 await wait_status(c, "s", "Finished")
 
@@ -582,9 +611,9 @@ class TestInDaemon:
         async with running_daemon(tmp_path, MODULES) as d:
             async with d.client() as c:
                 await c.call("start", workflow="Guarded", workflow_id="s", input=listen(sock))
-                await until(sock.exists)
+                await until(lambda: unix_listening(sock))
             await d.kill()
-            assert sock.exists() and not unix_listening(sock)
+            assert sock.exists() and not unix_bound(sock)
             await d.start()
             await until(lambda: unix_listening(sock))
             assert await exchange(sock, line=b"1") == {"ok": True, "result": 1}
