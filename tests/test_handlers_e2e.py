@@ -21,6 +21,7 @@ import anyio
 import anyio.abc
 import pytest
 
+from daemon import Workflow
 from daemon.clock import FakeClock
 from daemon.errors import CallbackNotFound, StaleCallback
 from daemon.runtime import Runtime
@@ -29,7 +30,7 @@ from tests.handler_workflows import Guarded, Race
 from tests.harness import Daemon, running_daemon, wait_status
 
 MODULES = ["tests.handler_workflows"]
-REGISTRY: dict[str, type[Any]] = {c.name: c for c in (Guarded, Race)}
+REGISTRY: dict[str, type[Workflow]] = {c.name: c for c in (Guarded, Race)}
 
 
 @asynccontextmanager
