@@ -36,6 +36,10 @@ def _drop_below_level(_: WrappedLogger, method: str, event_dict: EventDict) -> E
     return event_dict
 
 
+#: Types JSON holds as they are (exactly these: subclasses such as enums go through _jsonable).
+_PLAIN = frozenset({str, int, float, bool, type(None)})
+
+
 def _jsonable(value: Any) -> Any:
     """Return `value` with everything JSON cannot hold turned into str."""
     if value is None or isinstance(value, str | int | float | bool):
@@ -135,10 +139,17 @@ class LogHub:
 
     def processor(self, _: WrappedLogger, method: str, event_dict: EventDict) -> EventDict:
         """Publish a JSON-able copy of the event; goes right before the renderer."""
-        record = {k: v for k, v in event_dict.items() if not k.startswith("_")}
+        record: dict[str, Any] = {}
+        plain = True
+        for k, v in event_dict.items():
+            if k[:1] != "_":
+                record[k] = v
+                # Nearly every event holds only plain values: then a shallow copy will do.
+                plain = plain and type(v) in _PLAIN
         if "exc_info" in record:  # console mode: the renderer, not dict_tracebacks, shows it
             record = dict(structlog.processors.format_exc_info(None, method, record))
-        self.publish(_jsonable(record))
+            plain = False
+        self.publish(record if plain else _jsonable(record))
         return event_dict
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import contextlib
 import functools
 import sqlite3
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiosqlite
@@ -35,9 +36,16 @@ class StoreStats:
 @dataclass(slots=True, eq=False)
 class _Write:
     apply: Apply
-    done: anyio.Event = field(default_factory=anyio.Event)
+    #: A bare loop future, not an anyio.Event: this is made once per write and anyio looks its
+    #: backend up on every Event it makes. A cancelled waiter cancels it, so check `done()`.
+    done: asyncio.Future[None]
     result: Any = None
     error: BaseException | None = None
+
+    def finish(self) -> None:
+        """Wake the waiter, unless it was cancelled."""
+        if not self.done.done():
+            self.done.set_result(None)
 
 
 def _transaction(conn: sqlite3.Connection, batch: list[_Write]) -> None:
@@ -101,7 +109,7 @@ class GroupWriter:
         self.stats = StoreStats()
         self._conn = conn
         self._queue: deque[_Write] = deque()
-        self._wake = anyio.Event()
+        self._wake = asyncio.Event()  # set once per write: asyncio's is the cheaper one
         self._stopped = anyio.Event()
         self._closing = False
 
@@ -123,7 +131,7 @@ class GroupWriter:
         try:
             while self._queue or not self._closing:
                 if not self._queue:
-                    self._wake = anyio.Event()
+                    self._wake.clear()
                     await self._wake.wait()
                     continue
                 batch = list(self._queue)
@@ -138,24 +146,24 @@ class GroupWriter:
                     self.stats.splits += 1
                     log.warning("store_batch_split", batch=len(batch), failed=failed)
                 for w in batch:
-                    w.done.set()
+                    w.finish()
                 batch = []
         finally:
             self._closing = True
             for w in [*batch, *self._queue]:
-                if not w.done.is_set():
+                if not w.done.done():
                     w.error = Unavailable("the store closed before this write was committed")
-                    w.done.set()
+                    w.finish()
             self._stopped.set()
 
     async def submit(self, apply: Apply) -> Any:
         """Queue one write and return its result once it is committed (or raise its error)."""
         if self._closing:
             raise Unavailable("the store is closed")
-        w = _Write(apply)
+        w = _Write(apply, asyncio.get_running_loop().create_future())
         self._queue.append(w)
         self._wake.set()
-        await w.done.wait()
+        await w.done
         if w.error is not None:
             raise w.error
         return w.result
