@@ -51,8 +51,12 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def _dumps(obj: Any, **_: Any) -> str:
-    return msgspec.json.encode(obj, enc_hook=str).decode()
+_encoder = msgspec.json.Encoder(enc_hook=str)
+
+
+def _render_json(_: WrappedLogger, __: str, event_dict: EventDict) -> str:
+    """Render the event as one JSON line (what JSONRenderer does, one call less)."""
+    return _encoder.encode(event_dict).decode()
 
 
 class _Subscription:
@@ -139,16 +143,11 @@ class LogHub:
 
     def processor(self, _: WrappedLogger, method: str, event_dict: EventDict) -> EventDict:
         """Publish a JSON-able copy of the event; goes right before the renderer."""
-        record: dict[str, Any] = {}
-        plain = True
-        for k, v in event_dict.items():
-            if k[:1] != "_":
-                record[k] = v
-                # Nearly every event holds only plain values: then a shallow copy will do.
-                plain = plain and type(v) in _PLAIN
+        record = {k: v for k, v in event_dict.items() if k[:1] != "_"}
         if "exc_info" in record:  # console mode: the renderer, not dict_tracebacks, shows it
             record = dict(structlog.processors.format_exc_info(None, method, record))
-            plain = False
+        # Nearly every event holds only plain values: then this shallow copy will do.
+        plain = _PLAIN.issuperset(map(type, record.values()))
         self.publish(record if plain else _jsonable(record))
         return event_dict
 
@@ -169,11 +168,9 @@ def configure_logging(
     out = stream if stream is not None else sys.stdout
     # Under systemd, $JOURNAL_STREAM is set and stdout is no TTY: JSON lines go to journald as is.
     as_json = fmt == "json" or (fmt == "auto" and not out.isatty())
-    renderer: Processor
-    if as_json:
-        renderer = structlog.processors.JSONRenderer(serializer=_dumps)
-    else:
-        renderer = structlog.dev.ConsoleRenderer(colors=out.isatty())
+    renderer: Processor = (
+        _render_json if as_json else structlog.dev.ConsoleRenderer(colors=out.isatty())
+    )
     shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
