@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib.metadata
 import os
@@ -325,14 +326,24 @@ class _Control:
         return {"end": True}
 
 
+Parked = asyncio.Future["proto.AnyRequest | proto.ProtocolError | None"]
+
+
 class _Session:
-    """One connection: reads request lines and answers each in its own task."""
+    """One connection: reads request lines and answers each in a task of its own.
+
+    A task that has answered waits for the next request instead of ending: handing a request
+    to it costs a fraction of starting a task, and a client waiting for each answer before it
+    sends again is served by the same task throughout.
+    """
 
     def __init__(self, control: _Control, wire: sockfile.Wire, uid: int | None = None) -> None:
         self.control, self.wire, self.uid = control, wire, uid
-        self.slots = anyio.Semaphore(MAX_IN_FLIGHT)
         self.in_flight = 0
         self.eof = False
+        self.parked: list[Parked] = []
+        self.closing = False
+        self.room: anyio.Event | None = None
 
     async def run(self) -> None:
         """Answer every request until EOF, idleness or an oversized line."""
@@ -345,12 +356,38 @@ class _Session:
                     return
                 if line.strip():
                     req = _decode(line)
-                    await self.slots.acquire()
+                    while self.in_flight >= MAX_IN_FLIGHT:
+                        self.room = anyio.Event()
+                        await self.room.wait()
                     self.in_flight += 1
                     self.control.request_started()
-                    follow = isinstance(req, proto.Logs) and req.follow
-                    (follows if follow else self.tg).start_soon(self._answer, req)
+                    if isinstance(req, proto.Logs) and req.follow:
+                        follows.start_soon(self._answer, req)
+                    else:
+                        self._hand_over(req)
             follows.cancel_scope.cancel()  # the client stopped talking: stop streaming logs to it
+            self.closing = True
+            while self.parked:
+                self._hand_over(None)
+
+    def _hand_over(self, req: proto.AnyRequest | proto.ProtocolError | None) -> None:
+        while self.parked:
+            parked = self.parked.pop()
+            if not parked.done():
+                parked.set_result(req)
+                return
+        if req is not None:
+            self.tg.start_soon(self._answerer, req)
+
+    async def _answerer(self, req: proto.AnyRequest | proto.ProtocolError | None) -> None:
+        loop = asyncio.get_running_loop()
+        while req is not None:
+            await self._answer(req)
+            if self.closing:
+                return
+            parked: Parked = loop.create_future()
+            self.parked.append(parked)
+            req = await parked
 
     async def _next_line(self) -> bytes | None:
         """Return the next line (too long if over the limit), or None once idle or gone."""
@@ -377,7 +414,8 @@ class _Session:
         finally:
             self.in_flight -= 1
             self.control.request_done()
-            self.slots.release()
+            if self.room is not None:
+                self.room.set()
 
     async def _respond(self, req: proto.AnyRequest) -> dict[str, Any]:
         try:
