@@ -58,7 +58,12 @@ from .statements import validate as validate  # noqa: PLC0414
 # Python 3.11 reads every attribute of an Enum class through EnumType.__getattr__ (~0.1 µs),
 # so the code run on every transition uses these module-level names.
 _EXECUTING, _RESUMING = ThreadStatus.EXECUTING, ThreadStatus.RESUMING
+_WAITING_EVENT, _WAITING_CONDITION = ThreadStatus.WAITING_EVENT, ThreadStatus.WAITING_CONDITION
+_PENDING_SETUP, _SETUP = EventStatus.PENDING_SETUP, EventStatus.SETUP
+#: Event statuses whose handler must be torn down once the wait is over.
+_RELEASED = (EventStatus.SETUP, EventStatus.SETUP_ERROR)
 _AFTER_STEP, _AFTER_RESUME = CheckpointType.AFTER_STEP, CheckpointType.AFTER_RESUME
+_AFTER_SETUP, _AFTER_TEARDOWN = CheckpointType.AFTER_SETUP, CheckpointType.AFTER_TEARDOWN
 
 #: Transitions one `resume` may make before the workflow is declared a runaway.
 MAX_TRANSITIONS = 10_000
@@ -93,7 +98,10 @@ async def call_action(fn: Callable[[], object]) -> object:
 
 
 async def _run_step(step: Step) -> None:
-    await call_action(step.action)
+    # call_action inlined: one coroutine less on every step.
+    result = step.action()
+    if result is not None and inspect.isawaitable(result):
+        await result
 
 
 _BREAK, _CONTINUE, _RETURN = object(), object(), object()
@@ -218,8 +226,8 @@ _RUN: dict[type[Stmt], Callable[[_Cursor, Any], _Stop]] = {
 class _Resumer:
     """One `resume` call: the definition is rebuilt only after the data may have changed."""
 
-    def __init__(self, wf: Definable, state: State, checkpoint: Checkpoint, run: StepRunner):
-        self.wf, self.state, self.checkpoint, self.run_step = wf, state, checkpoint, run
+    def __init__(self, wf: Definable, state: State, checkpoint: Checkpoint):
+        self.wf, self.state, self.checkpoint = wf, state, checkpoint
         self.root = wf.definition()
         # Validated once per call, as the seed does; rebuilds are indexed only when needed.
         self._defn: Definition | None = Definition(self.root)
@@ -257,26 +265,26 @@ class _Resumer:
                 return t
         return None
 
-    async def execute(self, t: Thread) -> None:
-        step = self.ready.pop(t.id, None) or self.defn.steps.get(t.cur_step)
+    def step_of(self, t: Thread) -> Step:
+        """Return the Step an EXECUTING thread runs."""
+        step = self.ready.pop(t.id, None) or self.defn.get(t.cur_step, Step)
         if step is None:
             raise StepNotFound(f"thread {t.id}: step {t.cur_step!r} is not in the definition")
-        try:
-            await self.run_step(step)
-        except Exception as e:
-            raise StepFailed(step.name, e) from e
+        return step
+
+    def stepped(self, t: Thread) -> None:
+        """Move `t` past the step it ran; the caller checkpoints (AFTER_STEP)."""
         t.status = _RESUMING
         t.pc += 1
         self.state.pc += 1
         self.rebuild()
-        await self.checkpoint(_AFTER_STEP)
 
     def advance(self, t: Thread) -> None:
         """Move `t` on to where it must stop; the caller checkpoints (AFTER_RESUME)."""
         s = self.state
         if t.name == MAIN_THREAD:
             body: Section = self.root
-        elif (go := self.defn.gos.get(t.name)) is not None:
+        elif (go := self.defn.get(t.name, Go)) is not None:
             body = go.body
         else:
             raise StepNotFound(f"thread {t.id}: Go {t.name!r} is not in the definition")
@@ -292,9 +300,9 @@ class _Resumer:
             t.cur_step, t.status = stop.name, _EXECUTING
             self.ready[t.id] = stop
         elif isinstance(stop, WaitFor):
-            t.cur_step, t.status = stop.name, ThreadStatus.WAITING_CONDITION
+            t.cur_step, t.status = stop.name, _WAITING_CONDITION
         elif isinstance(stop, Wait):
-            t.cur_step, t.status = stop.name, ThreadStatus.WAITING_EVENT
+            t.cur_step, t.status = stop.name, _WAITING_EVENT
             for c in stop.cases:
                 req = CallbackRequest(s.id, t.id, c.event, t.pc)
                 t.wait_events.append(WaitEvent(c.handler.type, req))
@@ -315,9 +323,9 @@ class _Resumer:
         # One condition at a time: a WaitFor handler may change data another condition reads,
         # so the caller rebuilds the definition and checks again.
         for t in self.state.threads:
-            if t.status is not ThreadStatus.WAITING_CONDITION:
+            if t.status is not _WAITING_CONDITION:
                 continue
-            wf = self.defn.wait_fors.get(t.cur_step)
+            wf = self.defn.get(t.cur_step, WaitFor)
             if wf is None:
                 raise StepNotFound(
                     f"thread {t.id}: wait_for {t.cur_step!r} is not in the definition"
@@ -346,7 +354,7 @@ class _Resumer:
                     ev.status, ev.error = EventStatus.TEARDOWN_ERROR, _describe(e)
                     continue
                 t.wait_events.remove(ev)
-                await self.checkpoint(CheckpointType.AFTER_TEARDOWN)
+                await self.checkpoint(_AFTER_TEARDOWN)
 
     async def setup(self) -> None:
         for t in self.state.threads:
@@ -359,11 +367,11 @@ class _Resumer:
                     # Recorded on the wait so `show` explains it; the runtime retries with backoff.
                     ev.status, ev.error = EventStatus.SETUP_ERROR, _describe(e)
                     continue
-                ev.status, ev.error, ev.req.setup_data = EventStatus.SETUP, "", data
-                await self.checkpoint(CheckpointType.AFTER_SETUP)
+                ev.status, ev.error, ev.req.setup_data = _SETUP, "", data
+                await self.checkpoint(_AFTER_SETUP)
 
     def handler(self, ev: WaitEvent) -> Handler:
-        on = self.cases.get(ev.req.name) or self.defn.events.get(ev.req.name)
+        on = self.cases.get(ev.req.name) or self.defn.get(ev.req.name, On)
         if on is None:
             raise StepNotFound(f"event {ev.req.name!r} is not in the definition")
         return on.handler
@@ -381,10 +389,13 @@ def release_waits(state: State) -> None:
 
 def _release(t: Thread) -> None:
     # Events never set up have nothing to tear down.
-    t.wait_events = [ev for ev in t.wait_events if ev.status is not EventStatus.PENDING_SETUP]
+    kept = []
     for ev in t.wait_events:
-        if ev.status in (EventStatus.SETUP, EventStatus.SETUP_ERROR):
-            ev.status = EventStatus.PENDING_TEARDOWN
+        if ev.status is not _PENDING_SETUP:
+            if ev.status in _RELEASED:
+                ev.status = EventStatus.PENDING_TEARDOWN
+            kept.append(ev)
+    t.wait_events = kept
 
 
 async def resume(
@@ -393,7 +404,7 @@ async def resume(
     """Run the workflow until every thread is blocked or it has finished."""
     if state.status in FINAL_STATUSES:
         raise WorkflowError(f"workflow {state.id} is already {state.status}")
-    r = _Resumer(wf, state, checkpoint, run_step)
+    r = _Resumer(wf, state, checkpoint)
     state.pc += 1
     await r.teardown()
     while state.status not in FINAL_STATUSES:
@@ -401,7 +412,13 @@ async def resume(
         if t is not None:
             r.tick(t)
             if t.status is _EXECUTING:
-                await r.execute(t)
+                step = r.step_of(t)
+                try:
+                    await run_step(step)
+                except Exception as e:
+                    raise StepFailed(step.name, e) from e
+                r.stepped(t)
+                await checkpoint(_AFTER_STEP)
             else:
                 r.advance(t)
                 await checkpoint(_AFTER_RESUME)
@@ -425,7 +442,7 @@ async def handle_callback(req: CallbackRequest, wf: Definable, state: State, inp
         raise StaleCallback(
             f"callback {req.name!r} carries pc {req.pc}, the wait expects {event.req.pc}"
         )
-    on = defn.events.get(req.name)
+    on = defn.get(req.name, On)
     if on is None:
         raise CallbackNotFound(f"event {req.name!r} is not in the definition")
     snap = wf.snapshot()
@@ -441,7 +458,7 @@ async def handle_callback(req: CallbackRequest, wf: Definable, state: State, inp
     event.handled = True
     thread.cur_callback = req.name
     _release(thread)
-    thread.status = ThreadStatus.RESUMING
+    thread.status = _RESUMING
     thread.pc += 1
     state.update_status()
     return out
@@ -451,7 +468,7 @@ def _find_waiting(state: State, req: CallbackRequest) -> tuple[Thread, WaitEvent
     for t in state.threads:
         if req.thread_id and t.id != req.thread_id:
             continue
-        if t.status is not ThreadStatus.WAITING_EVENT:
+        if t.status is not _WAITING_EVENT:
             continue
         for ev in t.wait_events:
             if ev.req.name == req.name and ev.status in ARMED:

@@ -133,9 +133,16 @@ class State:
         """Derive RESUMING/WAITING from the threads (final statuses are kept)."""
         if self.status in FINAL_STATUSES:
             return
-        busy = any(t.status in RUNNABLE for t in self.threads)
-        self.status = WorkflowStatus.RESUMING if busy else WorkflowStatus.WAITING
+        # A loop, not any() over a generator: this runs after every resume and callback.
+        for t in self.threads:
+            if t.status in RUNNABLE:
+                self.status = _RESUMING
+                return
+        self.status = _WAITING
 
 
+# Module-level names for Enum members read on every resume (a class attribute of an Enum
+# costs ~0.1 µs in Python 3.11).
+_RESUMING, _WAITING = WorkflowStatus.RESUMING, WorkflowStatus.WAITING
 _encoder = msgspec.json.Encoder()
 _state_decoder = msgspec.json.Decoder(State)

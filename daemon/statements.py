@@ -12,6 +12,7 @@ from .handler import Handler
 #: A condition is a plain value evaluated when the definition is built, or a callable.
 Cond = bool | object | Callable[[], object]
 _F = TypeVar("_F")
+_N = TypeVar("_N")
 #: A step's action: sync or async, no arguments.
 Action = Callable[[], object] | Callable[[], Awaitable[object]]
 
@@ -283,27 +284,56 @@ def definition_to_dict(stmt: Stmt) -> dict[str, Any]:
 
 
 class Definition:
-    """A validated definition with its statements indexed by name."""
+    """A validated definition with its named statements indexed by name."""
 
-    __slots__ = ("_names", "events", "gos", "root", "steps", "wait_fors", "waits")
+    __slots__ = ("named", "root")
 
     def __init__(self, root: Section) -> None:
         self.root = root
-        self.steps: dict[str, Step] = {}
-        self.waits: dict[str, Wait] = {}
-        self.wait_fors: dict[str, WaitFor] = {}
-        self.gos: dict[str, Go] = {}
-        self.events: dict[str, On] = {}
-        # Every name claimed so far: names are unique within a definition.
-        self._names: set[str] = set()
+        #: Every named statement, If/Switch branch and Wait case (by its event): names are
+        #: unique within a definition, so one dict indexes them all.
+        self.named: dict[str, Stmt | Branch | On] = {}
         self._index(root, in_loop=False)
 
-    def _claim(self, name: str, what: str) -> None:
+    def get(self, name: str, kind: type[_N]) -> _N | None:
+        """Return the `kind` (e.g. Step) called `name`, or None."""
+        node = self.named.get(name)
+        return node if isinstance(node, kind) else None
+
+    def _all(self, kind: type[_N]) -> dict[str, _N]:
+        return {name: node for name, node in self.named.items() if isinstance(node, kind)}
+
+    @property
+    def steps(self) -> dict[str, Step]:
+        """Return the Steps by name."""
+        return self._all(Step)
+
+    @property
+    def waits(self) -> dict[str, Wait]:
+        """Return the Waits by name."""
+        return self._all(Wait)
+
+    @property
+    def wait_fors(self) -> dict[str, WaitFor]:
+        """Return the WaitFors by name."""
+        return self._all(WaitFor)
+
+    @property
+    def gos(self) -> dict[str, Go]:
+        """Return the Go statements by name."""
+        return self._all(Go)
+
+    @property
+    def events(self) -> dict[str, On]:
+        """Return the Wait cases by event name."""
+        return self._all(On)
+
+    def _claim(self, name: str, node: Stmt | Branch | On, what: str) -> None:
         if not isinstance(name, str) or not name:
             raise ValidationError(f"{what} needs a non-empty string name, got {name!r}")
-        if name in self._names:
+        if name in self.named:
             raise ValidationError(f"duplicate name {name!r} ({what})")
-        self._names.add(name)
+        self.named[name] = node
 
     def _index(self, stmt: Stmt, in_loop: bool) -> None:
         (_INDEX.get(type(stmt)) or dispatch_entry(_INDEX, stmt))(self, stmt, in_loop)
@@ -313,37 +343,32 @@ class Definition:
             (_INDEX.get(type(s)) or dispatch_entry(_INDEX, s))(self, s, in_loop)
 
     def _step(self, stmt: Step, in_loop: bool) -> None:
-        self._claim(stmt.name, "step")
-        self.steps[stmt.name] = stmt
+        self._claim(stmt.name, stmt, "step")
 
     def _branching(self, stmt: _Branching, in_loop: bool) -> None:
         for b in stmt.branches:
-            self._claim(b.name, "branch")
+            self._claim(b.name, b, "branch")
             self._section(b.body, in_loop)
 
     def _for(self, stmt: For, in_loop: bool) -> None:
-        self._claim(stmt.name, "for")
+        self._claim(stmt.name, stmt, "for")
         self._section(stmt.body, True)
 
     def _wait(self, stmt: Wait, in_loop: bool) -> None:
-        self._claim(stmt.name, "wait")
+        self._claim(stmt.name, stmt, "wait")
         if not stmt.cases:
             raise ValidationError(f"wait {stmt.name!r} has no cases")
-        self.waits[stmt.name] = stmt
         for c in stmt.cases:
             if not isinstance(c, On):
                 raise ValidationError(f"wait {stmt.name!r}: cases must be On(...), got {c!r}")
-            self._claim(c.event, "event")
-            self.events[c.event] = c
+            self._claim(c.event, c, "event")
             self._section(c.body, in_loop)
 
     def _wait_for(self, stmt: WaitFor, in_loop: bool) -> None:
-        self._claim(stmt.name, "wait_for")
-        self.wait_fors[stmt.name] = stmt
+        self._claim(stmt.name, stmt, "wait_for")
 
     def _go(self, stmt: Go, in_loop: bool) -> None:
-        self._claim(stmt.name, "go")
-        self.gos[stmt.name] = stmt
+        self._claim(stmt.name, stmt, "go")
         self._section(stmt.body, False)
 
     def _jump(self, stmt: Break | Continue, in_loop: bool) -> None:
