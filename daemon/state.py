@@ -114,7 +114,7 @@ class State:
     @classmethod
     def new(cls, id: str, workflow: str) -> State:
         """Return the state of a workflow that has not run yet."""
-        return cls(id, workflow, threads=[Thread(MAIN_THREAD, MAIN_THREAD)])
+        return cls(id, workflow, _RESUMING, [Thread(MAIN_THREAD, MAIN_THREAD)])
 
     def to_json(self) -> str:
         """Serialize to JSON text."""
