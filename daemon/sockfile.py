@@ -237,5 +237,8 @@ class Wire(asyncio.Protocol):
             await waiter
 
     def close(self) -> None:
-        """Close once what was written is sent."""
-        self.transport.close()
+        """Close the connection, dropping what a peer that stopped reading never took."""
+        if self.transport.get_write_buffer_size():
+            self.transport.abort()  # close() would wait for that peer to read, maybe forever
+        else:
+            self.transport.close()
