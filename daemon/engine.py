@@ -21,6 +21,7 @@ from .state import (
     ARMED,
     FINAL_STATUSES,
     MAIN_THREAD,
+    RELEASED,
     RUNNABLE,
     SETUP_DUE,
     TEARDOWN_DUE,
@@ -55,15 +56,11 @@ from .statements import (
 from .statements import Definition as Definition  # noqa: PLC0414
 from .statements import validate as validate  # noqa: PLC0414
 
-# Python 3.11 reads every attribute of an Enum class through EnumType.__getattr__ (~0.1 µs),
-# so the code run on every transition uses these module-level names.
+# Enum members read on every transition (an Enum class attribute costs ~0.1 µs in 3.11).
 _EXECUTING, _RESUMING = ThreadStatus.EXECUTING, ThreadStatus.RESUMING
 _WAITING_EVENT, _WAITING_CONDITION = ThreadStatus.WAITING_EVENT, ThreadStatus.WAITING_CONDITION
 _PENDING_SETUP, _SETUP = EventStatus.PENDING_SETUP, EventStatus.SETUP
-#: Event statuses whose handler must be torn down once the wait is over.
-_RELEASED = (EventStatus.SETUP, EventStatus.SETUP_ERROR)
 _AFTER_STEP, _AFTER_RESUME = CheckpointType.AFTER_STEP, CheckpointType.AFTER_RESUME
-_AFTER_SETUP, _AFTER_TEARDOWN = CheckpointType.AFTER_SETUP, CheckpointType.AFTER_TEARDOWN
 
 #: Transitions one `resume` may make before the workflow is declared a runaway.
 MAX_TRANSITIONS = 10_000
@@ -78,15 +75,12 @@ class Definable(Protocol):
 
     def definition(self) -> Section:
         """Build the statement tree from the current data."""
-        ...
 
     def snapshot(self) -> bytes:
         """Capture the data."""
-        ...
 
     def restore(self, snap: bytes) -> None:
         """Put back data captured by `snapshot`."""
-        ...
 
 
 async def call_action(fn: Callable[[], object]) -> object:
@@ -98,10 +92,7 @@ async def call_action(fn: Callable[[], object]) -> object:
 
 
 async def _run_step(step: Step) -> None:
-    # call_action inlined: one coroutine less on every step.
-    result = step.action()
-    if result is not None and inspect.isawaitable(result):
-        await result
+    await call_action(step.action)
 
 
 _BREAK, _CONTINUE, _RETURN = object(), object(), object()
@@ -183,13 +174,13 @@ class _Cursor:
             self.running = True
             if not t.cur_callback:
                 return stmt
-            case = next((c for c in stmt.cases if c.event == t.cur_callback), None)
-            if case is None:
-                raise StepNotFound(
-                    f"thread {t.id}: wait {stmt.name!r} has no case {t.cur_callback!r} any more"
-                )
-            t.cur_callback = ""
-            return self.section(case.body)
+            for case in stmt.cases:
+                if case.event == t.cur_callback:
+                    t.cur_callback = ""
+                    return self.section(case.body)
+            raise StepNotFound(
+                f"thread {t.id}: wait {stmt.name!r} has no case {t.cur_callback!r} any more"
+            )
         for c in stmt.cases:
             stop = self.section(c.body)
             if stop is not None or self.running:
@@ -266,14 +257,13 @@ class _Resumer:
         return None
 
     def step_of(self, t: Thread) -> Step:
-        """Return the Step an EXECUTING thread runs."""
         step = self.ready.pop(t.id, None) or self.defn.get(t.cur_step, Step)
         if step is None:
             raise StepNotFound(f"thread {t.id}: step {t.cur_step!r} is not in the definition")
         return step
 
     def stepped(self, t: Thread) -> None:
-        """Move `t` past the step it ran; the caller checkpoints (AFTER_STEP)."""
+        """Move `t` past the Step it ran or the WaitFor it waited on; the caller checkpoints."""
         t.status = _RESUMING
         t.pc += 1
         self.state.pc += 1
@@ -334,10 +324,7 @@ class _Resumer:
                 continue
             if wf.handler is not None:
                 await call_action(wf.handler)
-            t.status = ThreadStatus.RESUMING
-            t.pc += 1
-            self.state.pc += 1
-            self.rebuild()
+            self.stepped(t)
             await self.checkpoint(CheckpointType.AFTER_CONDITION)
             return True
         return False
@@ -354,7 +341,7 @@ class _Resumer:
                     ev.status, ev.error = EventStatus.TEARDOWN_ERROR, _describe(e)
                     continue
                 t.wait_events.remove(ev)
-                await self.checkpoint(_AFTER_TEARDOWN)
+                await self.checkpoint(CheckpointType.AFTER_TEARDOWN)
 
     async def setup(self) -> None:
         for t in self.state.threads:
@@ -368,7 +355,7 @@ class _Resumer:
                     ev.status, ev.error = EventStatus.SETUP_ERROR, _describe(e)
                     continue
                 ev.status, ev.error, ev.req.setup_data = _SETUP, "", data
-                await self.checkpoint(_AFTER_SETUP)
+                await self.checkpoint(CheckpointType.AFTER_SETUP)
 
     def handler(self, ev: WaitEvent) -> Handler:
         on = self.cases.get(ev.req.name) or self.defn.get(ev.req.name, On)
@@ -392,7 +379,7 @@ def _release(t: Thread) -> None:
     kept = []
     for ev in t.wait_events:
         if ev.status is not _PENDING_SETUP:
-            if ev.status in _RELEASED:
+            if ev.status in RELEASED:
                 ev.status = EventStatus.PENDING_TEARDOWN
             kept.append(ev)
     t.wait_events = kept
@@ -466,9 +453,7 @@ async def handle_callback(req: CallbackRequest, wf: Definable, state: State, inp
 
 def _find_waiting(state: State, req: CallbackRequest) -> tuple[Thread, WaitEvent]:
     for t in state.threads:
-        if req.thread_id and t.id != req.thread_id:
-            continue
-        if t.status is not _WAITING_EVENT:
+        if (req.thread_id and t.id != req.thread_id) or t.status is not _WAITING_EVENT:
             continue
         for ev in t.wait_events:
             if ev.req.name == req.name and ev.status in ARMED:

@@ -75,6 +75,8 @@ RUNNABLE = (ThreadStatus.EXECUTING, ThreadStatus.RESUMING)
 SETUP_DUE = (EventStatus.PENDING_SETUP, EventStatus.SETUP_ERROR)
 #: Event statuses whose handler's teardown is due (again).
 TEARDOWN_DUE = (EventStatus.PENDING_TEARDOWN, EventStatus.TEARDOWN_ERROR)
+#: Event statuses whose handler must be torn down once the wait is over.
+RELEASED = (EventStatus.SETUP, EventStatus.SETUP_ERROR)
 
 
 @dataclass(slots=True)
