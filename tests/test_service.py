@@ -216,6 +216,7 @@ class TestReload:
             async with connect(d.socket) as big:
                 response = await big.request("ping", pad="x" * 200)
             assert response["error"]["code"] == "too_large"
+            await wait_status(c, "quiet", "Waiting")  # started asynchronously: it blocks soon
             assert (await c.call("ping"))["workflows"] == {"Waiting": 1}
         events = [r["event"] for r in d.records()]
         assert "reloaded" not in events  # logged at info, after the level went up
