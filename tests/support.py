@@ -9,6 +9,7 @@ from typing import Any, Generic, TypeVar
 import anyio
 
 from daemon import CallbackRequest, CheckpointType, State, Workflow, handle_callback, resume
+from daemon.runtime import Runtime
 
 
 @dataclass
@@ -74,4 +75,15 @@ async def eventually(check: Callable[[], Awaitable[bool]], limit_s: float = 10.0
         while True:
             if await check():
                 return
+            await anyio.sleep(0.01)
+
+
+async def settled(rt: Runtime, wid: str, status: str) -> dict[str, Any]:
+    """Wait (bounded) until a workflow of an in-process runtime reaches `status`; return `show`."""
+    with anyio.fail_after(10):
+        while True:
+            await rt.wait_idle()
+            shown = await rt.show(wid)
+            if shown["status"] == status:
+                return shown
             await anyio.sleep(0.01)

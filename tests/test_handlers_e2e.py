@@ -28,6 +28,7 @@ from daemon.runtime import Runtime
 from daemon.store import Store
 from tests.handler_workflows import Guarded, Race
 from tests.harness import Daemon, running_daemon, wait_status
+from tests.support import settled
 
 MODULES = ["tests.handler_workflows"]
 REGISTRY: dict[str, type[Workflow]] = {c.name: c for c in (Guarded, Race)}
@@ -38,17 +39,6 @@ async def running(db: Path, clock: FakeClock | None = None) -> AsyncIterator[Run
     """Open a store and a runtime on it for the body of the block."""
     async with Store.open(db) as store, Runtime.open(store, REGISTRY, clock=clock) as rt:
         yield rt
-
-
-async def settled(rt: Runtime, wid: str, status: str) -> dict[str, Any]:
-    """Wait (bounded) until a workflow reaches `status`, then return `show`."""
-    with anyio.fail_after(10):
-        while True:
-            await rt.wait_idle()
-            shown = await rt.show(wid)
-            if shown["status"] == status:
-                return shown
-            await anyio.sleep(0.01)
 
 
 async def until(cond: Callable[[], bool], limit_s: float = 10.0) -> None:

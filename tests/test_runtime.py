@@ -31,6 +31,7 @@ from daemon.runtime import Runtime, Settings
 from daemon.store import Store
 from handlers import Signal, Timer
 from tests.support import eventually
+from tests.support import settled as until
 
 
 @dataclass
@@ -140,17 +141,6 @@ async def running(
         Runtime.open(store, REGISTRY, Settings(**settings), clock=clock or FakeClock()) as rt,
     ):
         yield rt
-
-
-async def until(rt: Runtime, wid: str, status: str) -> dict[str, Any]:
-    """Wait (bounded) until a workflow reaches a status."""
-    with anyio.fail_after(10):
-        while True:
-            await rt.wait_idle()
-            shown = await rt.show(wid)
-            if shown["status"] == status:
-                return shown
-            await anyio.sleep(0.01)
 
 
 class TestStart:
