@@ -5,10 +5,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import structlog
+
 from handlers import FileWatch, Signal, Timer
 
 from .statements import For, Go, If, On, S, Section, Step, Wait
 from .workflow import Workflow
+
+log = structlog.get_logger()
 
 
 @dataclass
@@ -48,7 +52,7 @@ class Approval(Workflow):
         self.outcome = "expired"
 
     def carry_out(self) -> None:
-        print(f"carrying out: {self.request}")
+        log.info("carrying_out", request=self.request)
 
 
 @dataclass
