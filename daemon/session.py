@@ -1,0 +1,164 @@
+"""One client connection: reads request lines, answers each in a task, writes the replies."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import msgspec
+import structlog
+
+from . import protocol as proto
+from . import sockfile
+from .errors import WorkflowError
+from .protocol import encode, error
+
+if TYPE_CHECKING:
+    from .control import _Control
+
+log = structlog.get_logger()
+
+#: Requests one connection may have in flight; the reader waits (backpressure) beyond that.
+MAX_IN_FLIGHT = 64
+
+#: Decodes a valid request in one pass; anything it refuses goes through decode_request,
+#: whose errors explain what is wrong (converting a decoded dict costs ~20 µs a request).
+_requests = msgspec.json.Decoder(proto.AnyRequest)
+
+Parked = asyncio.Future["proto.AnyRequest | proto.ProtocolError | None"]
+
+
+class Session:
+    """One connection: reads request lines and answers each in a task of its own.
+
+    A task that has answered waits for the next request instead of ending: handing a request
+    to it costs a fraction of starting a task, and a client waiting for each answer before it
+    sends again is served by the same task throughout.
+    """
+
+    def __init__(self, control: _Control, wire: sockfile.Wire, uid: int | None = None) -> None:
+        self.control, self.wire, self.uid = control, wire, uid
+        self.in_flight = 0
+        self.eof = False
+        self.parked: list[Parked] = []
+        self.closing = False
+        self.room: anyio.Event | None = None
+
+    async def run(self) -> None:
+        """Answer every request until EOF, idleness or an oversized line."""
+        async with anyio.create_task_group() as self.tg, anyio.create_task_group() as follows:
+            while not self.eof and (line := await self._next_line()) is not None:
+                if len(line) > self.control.max_bytes:
+                    message = f"request line over {self.control.max_bytes} bytes"
+                    await self.reply(error(None, "too_large", message))
+                    self.tg.cancel_scope.cancel()
+                    return
+                if line.strip():
+                    req = _decode(line)
+                    while self.in_flight >= MAX_IN_FLIGHT:
+                        self.room = anyio.Event()
+                        await self.room.wait()
+                    self.in_flight += 1
+                    self.control.request_started()
+                    if isinstance(req, proto.Logs) and req.follow:
+                        follows.start_soon(self._answer, req)
+                    else:
+                        self._hand_over(req)
+            follows.cancel_scope.cancel()  # the client stopped talking: stop streaming logs to it
+            self.closing = True
+            while self.parked:
+                self._hand_over(None)
+
+    def _hand_over(self, req: proto.AnyRequest | proto.ProtocolError | None) -> None:
+        while self.parked:
+            parked = self.parked.pop()
+            if not parked.done():
+                parked.set_result(req)
+                return
+        if req is not None:
+            self.tg.start_soon(self._answerer, req)
+
+    async def _answerer(self, req: proto.AnyRequest | proto.ProtocolError | None) -> None:
+        loop = asyncio.get_running_loop()
+        while req is not None:
+            await self._answer(req)
+            if self.closing:
+                return
+            parked: Parked = loop.create_future()
+            self.parked.append(parked)
+            req = await parked
+
+    async def _next_line(self) -> bytes | None:
+        """Return the next line (too long if over the limit), or None once idle or gone."""
+        wire = self.wire
+        while True:
+            line = wire.line(self.control.max_bytes)
+            if line is not None:
+                return line
+            if wire.eof:
+                self.eof = True
+                return wire.rest()  # a last request may lack its newline
+            if wire.lost:
+                self.tg.cancel_scope.cancel()  # the peer is gone: nobody to answer
+                return None
+            if not await wire.readable(self.control.idle) and not self.in_flight:
+                return None
+
+    async def _answer(self, req: proto.AnyRequest | proto.ProtocolError) -> None:
+        try:
+            if isinstance(req, proto.ProtocolError):
+                await self.reply(error(req.id, req.code, req.message))
+            else:
+                await self.reply(await self._respond(req))
+        finally:
+            self.in_flight -= 1
+            self.control.request_done()
+            if self.room is not None:
+                self.room.set()
+
+    async def _respond(self, req: proto.AnyRequest) -> dict[str, Any]:
+        try:
+            return proto.ok(req.id, await self.control.dispatch(req, self.reply, self.uid))
+        except WorkflowError as e:
+            return error(req.id, e.code, e.message)
+        except (sqlite3.Error, OSError) as e:
+            # Disk full, database locked: nothing was acknowledged, the client may retry.
+            log.error("control_storage_error", error=f"{type(e).__name__}: {e}")
+            return error(req.id, "unavailable", f"storage error: {type(e).__name__}: {e}")
+        except Exception as e:
+            log.exception("control_request_failed", op=type(req).__name__.lower())
+            return error(req.id, "internal", f"{type(e).__name__}: {e}")
+
+    async def reply(self, response: dict[str, Any]) -> None:
+        """Write one response line; a peer that stops reading or goes away is dropped."""
+        try:
+            data = encode(response)
+        except Exception:
+            log.exception("control_encode_failed")
+            message = "the result cannot be encoded as JSON"
+            data = encode(error(response.get("id"), "internal", message))
+        wire = self.wire
+        if not wire.write(data):
+            self.tg.cancel_scope.cancel()
+            return
+        if wire.lost:
+            self.tg.cancel_scope.cancel()
+        elif not wire.is_flushed():
+            with anyio.move_on_after(self.control.idle) as stalled:
+                await wire.flushed()
+            if stalled.cancelled_caught or wire.lost:
+                self.tg.cancel_scope.cancel()
+
+
+def _decode(line: bytes) -> proto.AnyRequest | proto.ProtocolError:
+    try:
+        request: proto.AnyRequest = _requests.decode(line)
+        return request
+    except (msgspec.DecodeError, RecursionError):
+        pass
+    try:
+        return proto.decode_request(line)
+    except proto.ProtocolError as e:
+        return e
