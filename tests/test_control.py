@@ -690,3 +690,48 @@ class TestFuzz:
                 assert msgspec.json.decode(s.makefile("rb").readline())["ok"] is True
             future.cancel()
         assert backend.workflows["keep"] == kept
+
+
+class TestLargeAndStalled:
+    """Big requests and replies go through whole; a client that stops reading is dropped."""
+
+    async def test_large_request_and_reply(self, backend: MemoryBackend, sockdir: Path) -> None:
+        """A 900 KB request line (under the limit) is answered with its 900 KB reply intact."""
+        big = "x" * 900_000
+        async with running(backend, sockdir / "s"), connect(sockdir / "s") as c:
+            r = await c.call("send", workflow_id="wf-1", event="approve", input=big)
+        assert r["ok"] is True and r["result"]["input"] == big
+
+    async def test_client_that_never_reads_is_dropped(
+        self, backend: MemoryBackend, sockdir: Path
+    ) -> None:
+        """A client that asks for large answers but never reads them is cut off after the idle
+        timeout, and meanwhile other clients are served."""
+        for i in range(50):
+            backend.workflows[f"w{i}"] = dict(
+                backend.workflows["wf-1"], workflow_id=f"w{i}", data={"v": "z" * 200_000}
+            )
+        path = sockdir / "s"
+        async with running(backend, path, idle_timeout=0.5):
+            stalled = socket.socket(socket.AF_UNIX)
+            stalled.connect(str(path))
+            stalled.setblocking(False)
+            with suppress(BlockingIOError):
+                for i in range(50):
+                    stalled.send(encode({"op": "show", "workflow_id": f"w{i}", "id": i}))
+            async with connect(path) as other:
+                assert (await other.call("ping"))["ok"] is True
+            await anyio.sleep(1.5)  # past the idle timeout: the server gave up on this peer
+            received = 0
+            stalled.setblocking(True)
+            stalled.settimeout(5)
+            try:
+                while chunk := stalled.recv(1 << 20):
+                    received += len(chunk)
+            except ConnectionError:
+                pass  # a reset is a fine way to be dropped
+            finally:
+                stalled.close()
+            assert received < 50 * 200_000  # cut off, not every answer delivered
+            async with connect(path) as other:
+                assert (await other.call("ping"))["ok"] is True
