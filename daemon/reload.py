@@ -17,6 +17,7 @@ import structlog
 from .config import Config, import_workflow_modules, load_config
 from .engine import Definition
 from .errors import ConfigError, WorkflowError
+from .lint import log_findings
 from .log import set_level
 from .notify import Notifier
 from .state import FINAL_STATUSES, State, ThreadStatus
@@ -239,6 +240,7 @@ class Reloader:
         self._switch(registry, old)
         restart = self._apply(cfg)
         log.info("reloaded", workflows=sorted(registry))
+        log_findings(registry)  # the new code is checked as the code at start is
         return {"reloaded": True, "workflows": sorted(registry), "needs_restart": restart}
 
     def _refused(self, blocked: list[dict[str, Any]]) -> dict[str, Any]:

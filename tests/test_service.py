@@ -170,6 +170,10 @@ class TestReload:
         assert gate["data"]["done"] == ["after-v2", "extra-v2"]
         # The running step finished with the code it started with, then the new step ran.
         assert busy["data"]["done"] == ["hold-v1", "more-v2"]
+        # The new code is linted as the code at start is (Gate's waits have no timeout).
+        events = [(r["event"], r.get("code")) for r in d.records()]
+        after = events[events.index(("reloaded", None)) :]
+        assert ("lint_warning", "no_timeout") in after
 
     async def test_incompatible_change_is_refused(self, tmp_path: Path) -> None:
         """A renamed Wait and a removed Go block the reload, named in the log and by workflowctl."""
