@@ -20,6 +20,7 @@ from structlog.contextvars import bound_contextvars
 from .engine import Definition, handle_callback, release_waits, resume
 from .errors import CallbackNotFound, HandlerRejected, StepFailed, Unavailable, WorkflowError
 from .handler import CallbackRequest
+from .janitor import teardown_ended
 from .state import FINAL_STATUSES, CheckpointType, EventStatus, State, WorkflowStatus
 from .statements import NonRetryableError, Retry, Step
 from .workflow import Workflow
@@ -227,7 +228,7 @@ class Actor:
         broken = [
             ev.error for t in loaded.state.threads for ev in t.wait_events if ev.status in _BROKEN
         ]
-        if broken:
+        if broken and loaded.state.status not in FINAL_STATUSES:
             loaded.attempt += 1
             delay = self._backoff(loaded.attempt, None)
             loaded.error, loaded.next_run_at = "; ".join(broken), self.rt.clock.now() + delay
@@ -238,6 +239,8 @@ class Actor:
         self.rt.rearm(loaded)
         if loaded.state.status is WorkflowStatus.FINISHED:
             log.info("workflow_finished")
+            if loaded.state.threads:  # a wait whose teardown failed: retried by the janitor
+                self.rt.janitor.wake()
 
     async def _run_step(self, step: Step) -> None:
         self.running_step = (step.name, time.monotonic())
@@ -324,22 +327,11 @@ class Actor:
         loaded.state.status, loaded.error, loaded.next_run_at = status, error, None
         self.rt.arms.disarm_workflow(self.workflow_id)
         release_waits(loaded.state)
-        try:
-            events = Definition(loaded.wf.definition()).events
-        except WorkflowError:
-            events = {}  # the definition itself is broken: the waits are kept as errors
-        for t in loaded.state.threads:
-            for ev in list(t.wait_events):
-                on = events.get(ev.req.name)
-                try:
-                    if on is None:
-                        raise WorkflowError(f"event {ev.req.name!r} is not in the definition")
-                    await on.handler.teardown(ev.req, ev.handled)
-                    t.wait_events.remove(ev)
-                except Exception as exc:  # noqa: BLE001 - recorded so `show` explains it
-                    ev.status, ev.error = EventStatus.TEARDOWN_ERROR, f"{type(exc).__name__}: {exc}"
+        left = await teardown_ended(loaded.wf, loaded.state)
         self._history.append((status.value.lower(), {"error": error}))
         await self._save(loaded)
+        if left:
+            self.rt.janitor.wake()
 
     async def _fail(self, loaded: Loaded, error: str) -> None:
         await self._end(loaded, WorkflowStatus.FAILED, error)

@@ -30,6 +30,7 @@ from .errors import (
     WorkflowNotFound,
 )
 from .handler import CallbackRequest
+from .janitor import Janitor
 from .lint import log_findings
 from .state import FINAL_STATUSES, EventStatus, State, WorkflowStatus
 from .store import Store, WorkflowRow
@@ -101,6 +102,7 @@ class Runtime:
         self.cache: OrderedDict[str, Loaded] = OrderedDict()
         self.stopping = False
         self.hold = repair.Hold(settings.hold)
+        self.janitor = Janitor(self)
         self._idle = anyio.Event()
         self._idle.set()
 
@@ -123,6 +125,7 @@ class Runtime:
             tg.start_soon(rt.arms.run_timers)
             try:
                 await rt.recover()
+                tg.start_soon(rt.janitor.run)
                 log_findings(registry)
                 yield rt
             finally:

@@ -238,6 +238,15 @@ class Store:
                 return
             after = rows[-1][0]
 
+    async def ended_with_teardown_errors(self) -> builtins.list[WorkflowRow]:
+        """Return the ended workflows that still hold a wait whose teardown failed."""
+        rows = await self._read(
+            f"SELECT {schema.COLS} FROM workflows WHERE status IN (?, ?, ?)"
+            " AND state LIKE '%\"TeardownError\"%'",
+            FINAL,
+        )
+        return [WorkflowRow(*r) for r in rows]
+
     async def history(self, workflow_id: str, *, limit: int = 1000) -> builtins.list[HistoryRow]:
         """Return the workflow's newest `limit` history entries, oldest first."""
         rows = await self._read(

@@ -7,13 +7,14 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 import pytest
 
 from daemon import (
     CallbackNotFound,
+    CallbackRequest,
     For,
     Go,
     NonRetryableError,
@@ -419,3 +420,83 @@ class TestReservedFields:
 
                 def definition(self) -> Section:
                     return S()
+
+
+class Sticky:
+    """A handler whose teardown fails while `broken` is set (a resource it cannot release yet)."""
+
+    type = "sticky"
+    broken: ClassVar[bool] = True
+    teardowns: ClassVar[list[str]] = []
+
+    async def setup(self, req: CallbackRequest) -> str:
+        """Arm nothing."""
+        return ""
+
+    async def handle(self, req: CallbackRequest, input: Any) -> Any:
+        """Echo the input."""
+        return input
+
+    async def teardown(self, req: CallbackRequest, handled: bool) -> None:
+        """Fail while broken, else record the release."""
+        if Sticky.broken:
+            raise OSError("resource busy")
+        Sticky.teardowns.append(req.name)
+
+
+@dataclass
+class Leaves(Workflow):
+    """A worker waits on a Sticky event while main finishes, so the worker's wait is torn down."""
+
+    done: bool = False
+
+    def definition(self) -> Section:
+        return S(
+            Go("worker", S(Wait("w", On("never", Sticky())))),
+            Wait("m", On("finish", Signal())),
+            Step("end", lambda: setattr(self, "done", True)),
+        )
+
+
+REGISTRY[Leaves.name] = Leaves
+
+
+class TestTeardownRetry:
+    """A teardown that failed when a workflow ended is retried until it succeeds."""
+
+    async def test_failed_teardown_retried_by_janitor(self, tmp_path: Path) -> None:
+        """The failure is recorded on the ended workflow, then the janitor releases it."""
+        Sticky.broken, Sticky.teardowns = True, []
+        db = tmp_path / "wf.db"
+        async with running(db) as rt:
+            await rt.start("Leaves", "l")
+            await until(rt, "l", "Waiting")
+            await rt.send("l", "finish")
+            shown = await until(rt, "l", "Finished")
+            (thread,) = shown["state"]["threads"]
+            assert thread["wait_events"][0]["status"] == "TeardownError"
+            assert await rt.janitor.sweep() == 1  # still broken: kept, counted
+            Sticky.broken = False
+            assert await rt.janitor.sweep() == 0
+            assert Sticky.teardowns == ["never"]
+            assert (await rt.show("l"))["state"]["threads"] == []
+            retried = [h for h in await rt.history("l") if h["kind"] == "teardown_retried"]
+            assert retried[0]["still_failing"] == 1 and retried[-1]["still_failing"] == 0
+
+    async def test_retried_after_restart(self, tmp_path: Path) -> None:
+        """A failed teardown left by an earlier run is retried when the runtime starts."""
+        Sticky.broken, Sticky.teardowns = True, []
+        db = tmp_path / "wf.db"
+        async with running(db) as rt:
+            await rt.start("Leaves", "l")
+            await until(rt, "l", "Waiting")
+            await rt.send("l", "finish")
+            await until(rt, "l", "Finished")
+        Sticky.broken = False
+        async with running(db) as rt:
+
+            async def released() -> bool:
+                return bool((await rt.show("l"))["state"]["threads"] == [])
+
+            await eventually(released)
+        assert Sticky.teardowns == ["never"]
