@@ -10,16 +10,21 @@ from daemon import For, Go, On, S, Section, Step, Wait, Workflow
 from handlers import Signal, Timer
 
 
-def record(workflow_id: str, step: str, attempt: int) -> None:
-    """Append one line per step run to $E2E_STEP_LOG (O_APPEND: safe across crashes)."""
+def append_step_log(line: str) -> None:
+    """Append one line to $E2E_STEP_LOG (O_APPEND: whole lines, safe across crashes)."""
     path = os.environ.get("E2E_STEP_LOG")
     if not path:
         return
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, f"{workflow_id} {step} {attempt}\n".encode())
+        os.write(fd, f"{line}\n".encode())
     finally:
         os.close(fd)
+
+
+def record(workflow_id: str, step: str, attempt: int) -> None:
+    """Record one step run as `workflow_id step attempt`."""
+    append_step_log(f"{workflow_id} {step} {attempt}")
 
 
 @dataclass

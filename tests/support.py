@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import anyio
+import pytest
 
 from daemon import CallbackRequest, CheckpointType, State, Workflow, handle_callback, resume
 from daemon.runtime import Runtime
@@ -87,3 +90,21 @@ async def settled(rt: Runtime, wid: str, status: str) -> dict[str, Any]:
             if shown["status"] == status:
                 return shown
             await anyio.sleep(0.01)
+
+
+#: A client, run as another user, that pings the socket at argv[1] and prints the reply line.
+PING_CHILD = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+try:
+    s.sendall(b'{"op": "ping", "id": 1}\\n')
+except BrokenPipeError:
+    pass  # a refused client is told so at once; the reply is still there to read
+print(s.makefile("rb").readline().decode(), end="")
+"""
+
+#: Tests that drop privileges to another uid with setpriv.
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv"
+)

@@ -38,6 +38,7 @@ from daemon.errors import (
 )
 from daemon.protocol import ERROR_CODES, OPS, encode
 from daemon.sockfile import listener_from_systemd
+from tests.support import PING_CHILD, needs_root
 
 REPO = Path(__file__).resolve().parent.parent
 Record = dict[str, Any]
@@ -513,27 +514,11 @@ class TestSocketFile:
         assert (sockdir / "s").exists()
 
 
-CHILD = """
-import socket, sys
-s = socket.socket(socket.AF_UNIX)
-s.connect(sys.argv[1])
-try:
-    s.sendall(b'{"op": "ping", "id": 1}\\n')
-except BrokenPipeError:
-    pass  # a refused client is told so at once; the reply is still there to read
-print(s.makefile("rb").readline().decode(), end="")
-"""
-
-needs_root = pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv"
-)
-
-
 async def _as_nobody(path: Path) -> Record:
     """Connect from a child process running as uid/gid 65534 and return its first reply."""
     argv = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
     done = await anyio.run_process(
-        [*argv, sys.executable, "-I", "-c", CHILD, str(path)], check=False
+        [*argv, sys.executable, "-I", "-c", PING_CHILD, str(path)], check=False
     )
     assert done.returncode == 0, done.stderr.decode()
     result: Record = msgspec.json.decode(done.stdout)

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from daemon.protocol import ERROR_CODES
 from tests.harness import REPO, Client, Daemon, running_daemon, wait_status, write_config
+from tests.support import PING_CHILD, needs_root
 
 MODULES = ["tests.control_workflows"]
 TALLY_EVENTS = ["add", "rename", "close"]
@@ -393,28 +394,12 @@ class TestErrors:
         """A bug in workflowd becomes an internal error."""
 
 
-CHILD = """
-import socket, sys
-s = socket.socket(socket.AF_UNIX)
-s.connect(sys.argv[1])
-try:
-    s.sendall(b'{"op": "ping", "id": 1}\\n')
-except BrokenPipeError:
-    pass  # a refused client is told so at once; the reply is still there to read
-print(s.makefile("rb").readline().decode(), end="")
-"""
-
-needs_root = pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv"
-)
-
-
 async def as_nobody(path: Path) -> dict[str, Any]:
     """Ping from a child running as uid/gid 65534 and return its first reply."""
     drop = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
     with anyio.fail_after(30):
         done = await anyio.run_process(
-            [*drop, sys.executable, "-I", "-c", CHILD, str(path)], check=False
+            [*drop, sys.executable, "-I", "-c", PING_CHILD, str(path)], check=False
         )
     assert done.returncode == 0, done.stderr.decode()
     result: dict[str, Any] = json.loads(done.stdout)

@@ -20,21 +20,15 @@ import anyio
 
 from daemon import CallbackRequest, For, Go, If, On, S, Section, Step, Wait, WaitFor, Workflow
 from handlers import Signal, SocketListen, Timer
+from tests.e2e_workflows import append_step_log
 
 #: The step that raises once per key fails on these iterations of a Looper.
 FLAKY_EVERY = 5
 
 
 def record(workflow_id: str, key: str, kind: str = "run") -> None:
-    """Append one line for one step run to $E2E_STEP_LOG."""
-    path = os.environ.get("E2E_STEP_LOG")
-    if not path:
-        return
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, f"{workflow_id} {key} {os.getpid()} {kind}\n".encode())
-    finally:
-        os.close(fd)
+    """Record one step run as `workflow_id key pid kind`."""
+    append_step_log(f"{workflow_id} {key} {os.getpid()} {kind}")
 
 
 def first_time(workflow_id: str, key: str) -> bool:
