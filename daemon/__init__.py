@@ -1,6 +1,6 @@
 """workflowd: durable workflows written as Python code."""
 
-from .engine import (
+from daemon.core.engine import (
     MAX_TRANSITIONS,
     Checkpoint,
     Definition,
@@ -9,19 +9,8 @@ from .engine import (
     resume,
     validate,
 )
-from .errors import (
-    CallbackNotFound,
-    HandlerRejected,
-    RunawayWorkflow,
-    StaleCallback,
-    StepFailed,
-    StepNotFound,
-    UnknownStatement,
-    ValidationError,
-    WorkflowError,
-)
-from .handler import ActiveHandler, CallbackRequest, Deliver, Handler, TimedHandler
-from .state import (
+from daemon.core.handler import ActiveHandler, CallbackRequest, Deliver, Handler, TimedHandler
+from daemon.core.state import (
     MAIN_THREAD,
     CheckpointType,
     EventStatus,
@@ -31,7 +20,7 @@ from .state import (
     WaitEvent,
     WorkflowStatus,
 )
-from .statements import (
+from daemon.core.statements import (
     Break,
     Case,
     Continue,
@@ -55,7 +44,18 @@ from .statements import (
     find_step,
     walk,
 )
-from .workflow import Workflow
+from daemon.core.workflow import Workflow
+from daemon.errors import (
+    CallbackNotFound,
+    HandlerRejected,
+    RunawayWorkflow,
+    StaleCallback,
+    StepFailed,
+    StepNotFound,
+    UnknownStatement,
+    ValidationError,
+    WorkflowError,
+)
 
 __all__ = [
     "MAIN_THREAD",

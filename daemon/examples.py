@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from daemon.core.statements import For, Go, If, On, S, Section, Step, Wait
+from daemon.core.workflow import Workflow
 from handlers import FileWatch, Signal, Timer
-
-from .statements import For, Go, If, On, S, Section, Step, Wait
-from .workflow import Workflow
 
 log = structlog.get_logger()
 

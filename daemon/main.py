@@ -18,18 +18,18 @@ import anyio
 import anyio.abc
 import structlog
 
-from .config import Config, load_config
-from .control import serve
-from .errors import BadRequest, ConfigError, StoreLocked, ValidationError
-from .journal import JOURNAL_SOCKET
-from .journal import attached as journal_attached
-from .log import LogHub, configure_logging
-from .notify import Notifier, watchdog_loop
-from .reload import Reloader, settings_of
-from .runtime import Runtime
-from .sockfile import listener_from_systemd
-from .store import Store
-from .workflow import Workflow
+from daemon.control.server import serve
+from daemon.control.sockfile import listener_from_systemd
+from daemon.core.workflow import Workflow
+from daemon.errors import BadRequest, ConfigError, StoreLocked, ValidationError
+from daemon.ops.reload import Reloader, settings_of
+from daemon.runtime.runtime import Runtime
+from daemon.service.config import Config, load_config
+from daemon.service.journal import JOURNAL_SOCKET
+from daemon.service.journal import attached as journal_attached
+from daemon.service.log import LogHub, configure_logging
+from daemon.service.notify import Notifier, watchdog_loop
+from daemon.store.sqlite import Store
 
 log = structlog.get_logger()
 STATUS_EVERY_S = 1.0

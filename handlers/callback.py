@@ -12,8 +12,8 @@ from typing import Any, is_typeddict
 import msgspec
 import msgspec.inspect
 
+from daemon.core.handler import CallbackRequest
 from daemon.errors import HandlerRejected
-from daemon.handler import CallbackRequest
 
 
 class Signal:

@@ -32,7 +32,7 @@ from typing import Any
 import msgspec
 from watchfiles import Change
 
-from daemon.handler import CallbackRequest, Deliver
+from daemon.core.handler import CallbackRequest, Deliver
 
 from .dirwatch import Changes, DirWatch
 

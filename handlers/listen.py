@@ -16,7 +16,7 @@ import anyio
 import msgspec
 from anyio.abc import Listener, SocketStream
 
-from daemon.handler import CallbackRequest, Deliver
+from daemon.core.handler import CallbackRequest, Deliver
 
 from .oneshot import OneShot
 

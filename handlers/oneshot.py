@@ -20,8 +20,8 @@ import msgspec
 from anyio.abc import Listener, SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from daemon.core.handler import Deliver
 from daemon.errors import BadRequest, CallbackNotFound, StaleCallback, WorkflowError
-from daemon.handler import Deliver
 
 MAX_LINE = 1 << 20
 

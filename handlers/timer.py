@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from daemon.clock import get_clock
-from daemon.handler import CallbackRequest
+from daemon.core.handler import CallbackRequest
 
 
 class Timer:

@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from daemon import CallbackRequest, CheckpointType, State, Workflow, handle_callback, resume
-from daemon.runtime import Runtime
+from daemon.runtime.runtime import Runtime
 
 
 @dataclass

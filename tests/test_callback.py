@@ -8,8 +8,8 @@ from typing import Any, NotRequired, TypedDict
 import msgspec
 import pytest
 
+from daemon.core.handler import ActiveHandler, CallbackRequest, Handler, TimedHandler
 from daemon.errors import HandlerRejected
-from daemon.handler import ActiveHandler, CallbackRequest, Handler, TimedHandler
 from handlers import Signal
 
 REQ = CallbackRequest("wf", "main", "approve", 3)

@@ -26,7 +26,9 @@ from anyio.streams.memory import MemoryObjectSendStream
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.control import Backend, serve
+from daemon.control.protocol import ERROR_CODES, OPS, encode
+from daemon.control.server import Backend, serve
+from daemon.control.sockfile import listener_from_systemd
 from daemon.errors import (
     CallbackNotFound,
     Conflict,
@@ -36,8 +38,6 @@ from daemon.errors import (
     UnknownWorkflowType,
     WorkflowNotFound,
 )
-from daemon.protocol import ERROR_CODES, OPS, encode
-from daemon.sockfile import listener_from_systemd
 from tests.support import PING_CHILD, needs_root
 
 REPO = Path(__file__).resolve().parent.parent
@@ -561,8 +561,8 @@ os.execv(sys.executable, [sys.executable, "-c", sys.argv[2]])
 
 ACTIVATED = """
 import anyio, os
-from daemon.control import serve
-from daemon.sockfile import listener_from_systemd
+from daemon.control.server import serve
+from daemon.control.sockfile import listener_from_systemd
 from tests.test_control import MemoryBackend
 
 async def main():

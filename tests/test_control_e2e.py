@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daemon.protocol import ERROR_CODES
+from daemon.control.protocol import ERROR_CODES
 from tests.harness import REPO, Client, Daemon, running_daemon, wait_status, write_config
 from tests.support import PING_CHILD, needs_root
 
@@ -528,7 +528,7 @@ class TestSocketActivation:
 def workflowctl() -> list[str]:
     """Return the argv prefix of the installed console script (or the module)."""
     script = Path(sys.executable).parent / "workflowctl"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "daemon.ctl"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "daemon.control.ctl"]
 
 
 async def ctl(sock: Path, *args: str) -> subprocess.CompletedProcess[bytes]:

@@ -16,8 +16,8 @@ import msgspec
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from daemon.ctl import build_parser, build_request, cell, show, table
-from daemon.protocol import Cancel, History, List, Logs, Ping, Send, Show, Start
+from daemon.control.ctl import build_parser, build_request, cell, show, table
+from daemon.control.protocol import Cancel, History, List, Logs, Ping, Send, Show, Start
 
 from .test_control import REPO, MemoryBackend, backend, running, sockdir
 
@@ -28,7 +28,7 @@ async def ctl(*args: str, env: dict[str, str] | None = None, cwd: Path = REPO) -
     """Run workflowctl with `args` and return the finished process."""
     environ = {k: v for k, v in os.environ.items() if k != "WORKFLOWD_SOCKET"}
     environ["PYTHONPATH"] = str(REPO)
-    argv = [sys.executable, "-m", "daemon.ctl", *args]
+    argv = [sys.executable, "-m", "daemon.control.ctl", *args]
     with anyio.fail_after(30):
         return await anyio.run_process(argv, check=False, cwd=cwd, env=environ | (env or {}))
 
@@ -204,7 +204,7 @@ class TestLogs:
         """logs -f prints new records as they come and exits 130 quietly on Ctrl-C."""
         backend.emit("before")
         async with running(backend, sockdir / "s") as path:
-            argv = [sys.executable, "-m", "daemon.ctl", "--socket", str(path), "logs", "-f"]
+            argv = [sys.executable, "-m", "daemon.control.ctl", "--socket", str(path), "logs", "-f"]
             async with await anyio.open_process(argv, cwd=REPO) as process:
                 assert process.stdout is not None and process.stderr is not None
                 lines = BufferedByteReceiveStream(process.stdout)

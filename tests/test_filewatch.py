@@ -9,7 +9,7 @@ from typing import Any
 import anyio
 import pytest
 
-from daemon.handler import ActiveHandler, CallbackRequest
+from daemon.core.handler import ActiveHandler, CallbackRequest
 from handlers import FileWatch
 
 

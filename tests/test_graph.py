@@ -23,8 +23,8 @@ from daemon import (
     Workflow,
     definition_to_dict,
 )
-from daemon.graph import render
-from daemon.state import EventStatus, WorkflowStatus
+from daemon.core.state import EventStatus, WorkflowStatus
+from daemon.ops.graph import render
 from tests.support import Driver, Recorder
 
 SIGNAL = Recorder(type="signal")

@@ -24,8 +24,8 @@ import pytest
 from daemon import Workflow
 from daemon.clock import FakeClock
 from daemon.errors import CallbackNotFound, StaleCallback
-from daemon.runtime import Runtime
-from daemon.store import Store
+from daemon.runtime.runtime import Runtime
+from daemon.store.sqlite import Store
 from tests.handler_workflows import Guarded, Race
 from tests.harness import Daemon, running_daemon, wait_status
 from tests.support import settled

@@ -15,8 +15,8 @@ import pytest
 from anyio.abc import SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from daemon.core.handler import ActiveHandler, CallbackRequest
 from daemon.errors import HandlerRejected
-from daemon.handler import ActiveHandler, CallbackRequest
 from handlers import SocketListen
 from handlers.oneshot import MAX_LINE
 

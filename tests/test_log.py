@@ -14,7 +14,7 @@ import anyio
 import pytest
 import structlog
 
-from daemon.log import LogHub, configure_logging, set_level
+from daemon.service.log import LogHub, configure_logging, set_level
 
 
 @pytest.fixture(autouse=True)

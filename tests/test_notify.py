@@ -13,7 +13,7 @@ import anyio
 import pytest
 import structlog
 
-from daemon.notify import Notifier, watchdog_loop
+from daemon.service.notify import Notifier, watchdog_loop
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from daemon import errors
-from daemon.protocol import (
+from daemon.control.protocol import (
     ERROR_CODES,
     OPS,
     History,

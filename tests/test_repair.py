@@ -17,8 +17,8 @@ from typing import Any
 import anyio
 import pytest
 
-from daemon.control import Repairs
-from daemon.runtime import Runtime
+from daemon.control.server import Repairs
+from daemon.runtime.runtime import Runtime
 from tests.harness import REPO, Client, Daemon, running_daemon, wait_status, write_config
 from tests.support import eventually
 
@@ -346,7 +346,7 @@ class TestSeeing:
 
             def ctl(*args: str, path: str = "") -> subprocess.CompletedProcess[str]:
                 env = {**os.environ, "PATH": path or os.environ.get("PATH", "")}
-                cmd = [sys.executable, "-m", "daemon.ctl", "--socket", str(d.socket), *args]
+                cmd = [sys.executable, "-m", "daemon.control.ctl", "--socket", str(d.socket), *args]
                 return subprocess.run(
                     cmd, capture_output=True, text=True, env=env, cwd=REPO, check=False
                 )

@@ -28,8 +28,8 @@ from daemon import (
 )
 from daemon.clock import FakeClock
 from daemon.errors import Conflict, HandlerRejected, UnknownWorkflowType, WorkflowNotFound
-from daemon.runtime import Runtime, Settings
-from daemon.store import Store
+from daemon.runtime.runtime import Runtime, Settings
+from daemon.store.sqlite import Store
 from handlers import Signal, Timer
 from tests.support import eventually
 from tests.support import settled as until

@@ -18,8 +18,8 @@ import anyio
 import pytest
 import structlog
 
-from daemon import journal
-from daemon.log import configure_logging
+from daemon.service import journal
+from daemon.service.log import configure_logging
 from tests import service_workflows as versions
 from tests.harness import REPO, Client, Daemon, connect, running_daemon, wait_status, write_config
 from tests.test_log import restore_logging  # noqa: F401 - a fixture, used by name
@@ -66,7 +66,7 @@ def config_sections(tmp: Path, **extra: dict[str, Any]) -> dict[str, dict[str, A
 
 async def workflowctl(sock: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
     """Run workflowctl against `sock` and return the finished process."""
-    argv = [sys.executable, "-m", "daemon.ctl", "--socket", str(sock), *args]
+    argv = [sys.executable, "-m", "daemon.control.ctl", "--socket", str(sock), *args]
     return await anyio.run_process(argv, cwd=REPO, check=False)
 
 

@@ -33,7 +33,7 @@ from daemon import (
     validate,
     walk,
 )
-from daemon.statements import Definition, truth
+from daemon.core.statements import Definition, truth
 from tests.support import Recorder
 
 REC = Recorder()

@@ -11,10 +11,10 @@ from pathlib import Path
 import anyio
 import pytest
 
-from daemon import schema as schema_module
 from daemon.clock import FakeClock, use_clock
 from daemon.errors import ConfigError, StoreLocked, Unavailable, WorkflowNotFound
-from daemon.store import MIGRATIONS, Store, WorkflowRow
+from daemon.store import schema as schema_module
+from daemon.store.sqlite import MIGRATIONS, Store, WorkflowRow
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,7 +139,7 @@ class TestOpen:
 class TestLock:
     SCRIPT = (
         "import sys, anyio\n"
-        "from daemon.store import Store\n"
+        "from daemon.store.sqlite import Store\n"
         "from daemon.errors import StoreLocked\n"
         "async def main():\n"
         "    try:\n"

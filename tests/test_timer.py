@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta, timezone
 import pytest
 
 from daemon.clock import FakeClock, use_clock
-from daemon.handler import ActiveHandler, CallbackRequest, TimedHandler
+from daemon.core.handler import ActiveHandler, CallbackRequest, TimedHandler
 from handlers import Timer
 
 

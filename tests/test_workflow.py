@@ -15,8 +15,8 @@ import pytest
 
 import daemon
 from daemon import S, Section, Step, ValidationError, Workflow
+from daemon.core.workflow import collect
 from daemon.errors import BadRequest
-from daemon.workflow import collect
 
 
 @dataclass

@@ -14,9 +14,9 @@ from typing import Any
 
 import anyio
 
-from daemon.runtime import Runtime
-from daemon.store import Store
-from daemon.workflow import Workflow
+from daemon.core.workflow import Workflow
+from daemon.runtime.runtime import Runtime
+from daemon.store.sqlite import Store
 from tests.harness import Daemon
 
 from .bench_workflows import AsyncSteps, SyncSteps

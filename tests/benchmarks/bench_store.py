@@ -10,7 +10,7 @@ from typing import Any
 
 import anyio
 
-from daemon.store import Store, WorkflowRow
+from daemon.store.sqlite import Store, WorkflowRow
 
 SEQUENTIAL = 1_000
 CALLERS = 200

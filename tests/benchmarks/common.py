@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 import structlog
 
-from daemon.log import LogHub, configure_logging
+from daemon.service.log import LogHub, configure_logging
 from tests.harness import Daemon, connect, running_daemon
 
 MODULES = ["tests.benchmarks.bench_workflows"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from .state import MAIN_THREAD, EventStatus, State, ThreadStatus, WorkflowStatus
+from daemon.core.state import MAIN_THREAD, EventStatus, State, ThreadStatus, WorkflowStatus
 
 FORMATS = ("mermaid", "dot")
 

@@ -14,20 +14,20 @@ import anyio
 import msgspec
 import structlog
 
-from .config import Config, import_workflow_modules, load_config
-from .engine import Definition
-from .errors import ConfigError, WorkflowError
-from .lint import log_findings
-from .log import set_level
-from .notify import Notifier
-from .state import FINAL_STATUSES, State, ThreadStatus
-from .statements import For as ForStmt
-from .statements import Go, Stmt, Wait, WaitFor, _Branching, children
-from .statements import Step as StepStmt
-from .workflow import Workflow, collect, fill_defaults
+from daemon.core.engine import Definition
+from daemon.core.lint import log_findings
+from daemon.core.state import FINAL_STATUSES, State, ThreadStatus
+from daemon.core.statements import For as ForStmt
+from daemon.core.statements import Go, Stmt, Wait, WaitFor, _Branching, children
+from daemon.core.statements import Step as StepStmt
+from daemon.core.workflow import Workflow, collect, fill_defaults
+from daemon.errors import ConfigError, WorkflowError
+from daemon.service.config import Config, import_workflow_modules, load_config
+from daemon.service.log import set_level
+from daemon.service.notify import Notifier
 
 if TYPE_CHECKING:
-    from .runtime import Runtime, Settings
+    from daemon.runtime.runtime import Runtime, Settings
 
 log = structlog.get_logger()
 Registry = dict[str, type[Workflow]]
@@ -52,7 +52,7 @@ RESTART_KEYS = (
 
 def settings_of(cfg: Config) -> Settings:
     """Map the `[runtime]` section onto the runtime's settings."""
-    from .runtime import Settings
+    from daemon.runtime.runtime import Settings
 
     r = cfg.runtime
     return Settings(

@@ -16,12 +16,13 @@ import anyio.abc
 import msgspec
 import structlog
 
-from . import repair
-from .actor import Actor, Item, Loaded, Reply
-from .arming import Arms
-from .clock import Clock, get_clock, use_clock
-from .engine import Definition
-from .errors import (
+from daemon.clock import Clock, get_clock, use_clock
+from daemon.core.engine import Definition
+from daemon.core.handler import CallbackRequest
+from daemon.core.lint import log_findings
+from daemon.core.state import FINAL_STATUSES, EventStatus, State, WorkflowStatus
+from daemon.core.workflow import Workflow
+from daemon.errors import (
     CallbackNotFound,
     Conflict,
     Unavailable,
@@ -29,12 +30,11 @@ from .errors import (
     WorkflowError,
     WorkflowNotFound,
 )
-from .handler import CallbackRequest
-from .janitor import Janitor
-from .lint import log_findings
-from .state import FINAL_STATUSES, EventStatus, State, WorkflowStatus
-from .store import Store, WorkflowRow
-from .workflow import Workflow
+from daemon.ops import repairs as repair
+from daemon.runtime.actor import Actor, Item, Loaded, Reply
+from daemon.runtime.arming import Arms
+from daemon.runtime.janitor import Janitor
+from daemon.store.sqlite import Store, WorkflowRow
 
 log = structlog.get_logger()
 

@@ -17,16 +17,16 @@ import msgspec
 import structlog
 from structlog.contextvars import bound_contextvars
 
-from .engine import Definition, handle_callback, release_waits, resume
-from .errors import CallbackNotFound, HandlerRejected, StepFailed, Unavailable, WorkflowError
-from .handler import CallbackRequest
-from .janitor import teardown_ended
-from .state import FINAL_STATUSES, CheckpointType, EventStatus, State, WorkflowStatus
-from .statements import NonRetryableError, Retry, Step
-from .workflow import Workflow
+from daemon.core.engine import Definition, handle_callback, release_waits, resume
+from daemon.core.handler import CallbackRequest
+from daemon.core.state import FINAL_STATUSES, CheckpointType, EventStatus, State, WorkflowStatus
+from daemon.core.statements import NonRetryableError, Retry, Step
+from daemon.core.workflow import Workflow
+from daemon.errors import CallbackNotFound, HandlerRejected, StepFailed, Unavailable, WorkflowError
+from daemon.runtime.janitor import teardown_ended
 
 if TYPE_CHECKING:
-    from .runtime import Runtime
+    from daemon.runtime.runtime import Runtime
 
 log = structlog.get_logger()
 _DURABLE = (CheckpointType.AFTER_STEP, CheckpointType.AFTER_CONDITION)

@@ -6,8 +6,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .errors import UnknownStatement, ValidationError
-from .handler import Handler
+from daemon.core.handler import Handler
+from daemon.errors import UnknownStatement, ValidationError
 
 #: A condition is a plain value evaluated when the definition is built, or a callable.
 Cond = bool | object | Callable[[], object]

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from . import protocol as proto
+from daemon.control import protocol as proto
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 DEFAULT_SOCKET = "state/workflowd.sock"  # the [daemon] socket default of config.toml

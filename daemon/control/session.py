@@ -10,13 +10,13 @@ import anyio
 import msgspec
 import structlog
 
-from . import protocol as proto
-from . import sockfile
-from .errors import WorkflowError
-from .protocol import encode, error
+from daemon.control import protocol as proto
+from daemon.control import sockfile
+from daemon.control.protocol import encode, error
+from daemon.errors import WorkflowError
 
 if TYPE_CHECKING:
-    from .control import _Control
+    from daemon.control.server import _Control
 
 log = structlog.get_logger()
 

@@ -16,20 +16,8 @@ import anyio
 import msgspec
 import structlog
 
-from .actor import Item, Loaded
-from .errors import (
-    BadInput,
-    BadRequest,
-    Conflict,
-    UnknownWorkflowType,
-    ValidationError,
-    WorkflowError,
-    WorkflowNotFound,
-)
-from .graph import render
-from .lint import lint_workflow
-from .reload import blockers
-from .state import (
+from daemon.core.lint import lint_workflow
+from daemon.core.state import (
     FINAL_STATUSES,
     MAIN_THREAD,
     EventStatus,
@@ -38,15 +26,35 @@ from .state import (
     ThreadStatus,
     WorkflowStatus,
 )
-from .statements import Definition, Go, Stmt, Wait, _Branching, children, definition_to_dict
-from .statements import For as ForStmt
-from .statements import Step as StepStmt
-from .statements import WaitFor as WaitForStmt
-from .store import FINAL
-from .workflow import Workflow
+from daemon.core.statements import (
+    Definition,
+    Go,
+    Stmt,
+    Wait,
+    _Branching,
+    children,
+    definition_to_dict,
+)
+from daemon.core.statements import For as ForStmt
+from daemon.core.statements import Step as StepStmt
+from daemon.core.statements import WaitFor as WaitForStmt
+from daemon.core.workflow import Workflow
+from daemon.errors import (
+    BadInput,
+    BadRequest,
+    Conflict,
+    UnknownWorkflowType,
+    ValidationError,
+    WorkflowError,
+    WorkflowNotFound,
+)
+from daemon.ops.graph import render
+from daemon.ops.reload import blockers
+from daemon.runtime.actor import Item, Loaded
+from daemon.store.sqlite import FINAL
 
 if TYPE_CHECKING:
-    from .runtime import Runtime
+    from daemon.runtime.runtime import Runtime
 
 log = structlog.get_logger()
 #: How long a change waits for a workflow that is taking a callback to block again.

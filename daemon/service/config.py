@@ -16,7 +16,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from .errors import ConfigError
+from daemon.errors import ConfigError
 
 # Only these two are expanded, so "$HOME" or "$FOO" in a path is an error, not a folder named "$FOO".
 _DIR_VARS = {"STATE_DIRECTORY": "StateDirectory=", "RUNTIME_DIRECTORY": "RuntimeDirectory="}
@@ -104,7 +104,7 @@ class Config:
         """Return $WORKFLOWD_CONFIG, else the checkout's config.toml, else /etc/workflowd's."""
         if env := os.environ.get("WORKFLOWD_CONFIG"):
             return Path(env)
-        checkout = Path(__file__).resolve().parent.parent / "config.toml"
+        checkout = Path(__file__).resolve().parents[2] / "config.toml"
         return checkout if checkout.is_file() else Path("/etc/workflowd/config.toml")
 
 

@@ -6,18 +6,8 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from .errors import (
-    CallbackNotFound,
-    HandlerRejected,
-    RunawayWorkflow,
-    StaleCallback,
-    StepFailed,
-    StepNotFound,
-    ValidationError,
-    WorkflowError,
-)
-from .handler import CallbackRequest, Handler
-from .state import (
+from daemon.core.handler import CallbackRequest, Handler
+from daemon.core.state import (
     ARMED,
     FINAL_STATUSES,
     MAIN_THREAD,
@@ -33,7 +23,7 @@ from .state import (
     WaitEvent,
     WorkflowStatus,
 )
-from .statements import (
+from daemon.core.statements import (
     Break,
     Continue,
     For,
@@ -53,8 +43,18 @@ from .statements import (
 )
 
 # Explicit re-exports (mypy's idiom): daemon.engine.Definition and .validate stay importable.
-from .statements import Definition as Definition  # noqa: PLC0414
-from .statements import validate as validate  # noqa: PLC0414
+from daemon.core.statements import Definition as Definition  # noqa: PLC0414
+from daemon.core.statements import validate as validate  # noqa: PLC0414
+from daemon.errors import (
+    CallbackNotFound,
+    HandlerRejected,
+    RunawayWorkflow,
+    StaleCallback,
+    StepFailed,
+    StepNotFound,
+    ValidationError,
+    WorkflowError,
+)
 
 # Enum members read on every transition (an Enum class attribute costs ~0.1 µs in 3.11).
 _EXECUTING, _RESUMING = ThreadStatus.EXECUTING, ThreadStatus.RESUMING

@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING
 import anyio
 import structlog
 
-from .engine import Definition
-from .errors import WorkflowError
-from .state import EventStatus, State, WorkflowStatus
-from .workflow import Workflow
+from daemon.core.engine import Definition
+from daemon.core.state import EventStatus, State, WorkflowStatus
+from daemon.core.workflow import Workflow
+from daemon.errors import WorkflowError
 
 if TYPE_CHECKING:
-    from .runtime import Runtime
+    from daemon.runtime.runtime import Runtime
 
 log = structlog.get_logger()
 RETRY_INITIAL_S = 60.0

@@ -11,8 +11,8 @@ import anyio
 import anyio.abc
 import structlog
 
-from .clock import Clock
-from .handler import CallbackRequest, Deliver, Handler
+from daemon.clock import Clock
+from daemon.core.handler import CallbackRequest, Deliver, Handler
 
 log = structlog.get_logger()
 

@@ -9,8 +9,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from .errors import WorkflowError
-from .statements import (
+from daemon.core.statements import (
     Break,
     Continue,
     Definition,
@@ -26,7 +25,8 @@ from .statements import (
     children,
     walk,
 )
-from .workflow import Workflow
+from daemon.core.workflow import Workflow
+from daemon.errors import WorkflowError
 
 log = structlog.get_logger()
 

@@ -16,7 +16,7 @@ import anyio
 import anyio.abc
 import structlog
 
-from .errors import ConfigError, Unavailable
+from daemon.errors import ConfigError, Unavailable
 
 log = structlog.get_logger()
 

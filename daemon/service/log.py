@@ -16,7 +16,7 @@ import msgspec
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
 
-from .journal import JournalLogger, JournalRenderer
+from daemon.service.journal import JournalLogger, JournalRenderer
 
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
 # Method names structlog passes to processors, mapped to their level.

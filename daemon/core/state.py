@@ -7,7 +7,7 @@ from enum import StrEnum
 
 import msgspec
 
-from .handler import CallbackRequest
+from daemon.core.handler import CallbackRequest
 
 MAIN_THREAD = "_main_"
 

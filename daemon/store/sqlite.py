@@ -14,16 +14,24 @@ import anyio
 import msgspec
 import structlog
 
-from . import schema
-from .clock import get_clock
-from .errors import (
+from daemon.clock import get_clock
+from daemon.errors import (
     ConfigError,
     Conflict,
     Unavailable,
     WorkflowNotFound,
 )
-from .schema import FINAL, MIGRATIONS, Entries, History, HistoryRow, InboxRow, WorkflowRow
-from .writer import GroupWriter
+from daemon.store import schema
+from daemon.store.schema import (
+    FINAL,
+    MIGRATIONS,
+    Entries,
+    History,
+    HistoryRow,
+    InboxRow,
+    WorkflowRow,
+)
+from daemon.store.writer import GroupWriter
 
 T = TypeVar("T")
 log = structlog.get_logger(__name__)

@@ -15,7 +15,7 @@ import aiosqlite
 import anyio
 import msgspec
 
-from .errors import BadRequest, ConfigError, Conflict, StoreLocked
+from daemon.errors import BadRequest, ConfigError, Conflict, StoreLocked
 
 FINAL = ("Finished", "Failed", "Cancelled")
 SYNCHRONOUS = {"normal": "NORMAL", "full": "FULL"}

@@ -16,7 +16,7 @@ import aiosqlite
 import anyio
 import structlog
 
-from .errors import Unavailable
+from daemon.errors import Unavailable
 
 T = TypeVar("T")
 log = structlog.get_logger(__name__)

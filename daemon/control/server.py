@@ -16,11 +16,11 @@ import anyio
 import anyio.abc
 import structlog
 
-from . import protocol as proto
-from . import sockfile
-from .errors import Unavailable
-from .protocol import encode, error
-from .session import Session
+from daemon.control import protocol as proto
+from daemon.control import sockfile
+from daemon.control.protocol import encode, error
+from daemon.control.session import Session
+from daemon.errors import Unavailable
 
 log = structlog.get_logger()
 

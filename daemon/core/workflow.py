@@ -11,8 +11,8 @@ from typing import Any, ClassVar, Self, TypeVar
 
 import msgspec
 
-from .errors import BadRequest, ValidationError
-from .statements import Section
+from daemon.core.statements import Section
+from daemon.errors import BadRequest, ValidationError
 
 _SCALARS = (str, int, float, bool, type(None))
 _encoder = msgspec.json.Encoder()

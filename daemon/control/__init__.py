@@ -1,0 +1,1 @@
+"""The control socket: protocol, server, sessions, and the workflowctl client."""

@@ -1,0 +1,1 @@
+"""The engine and its DSL: pure, no I/O."""

@@ -1,0 +1,1 @@
+"""The operator's tools: repairs, reload, graphs."""

@@ -1,0 +1,1 @@
+"""Runs workflows: actors, arming of waits, recovery, the public API."""

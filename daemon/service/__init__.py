@@ -1,0 +1,1 @@
+"""Running as a service: config, logging, journald, sd_notify."""
