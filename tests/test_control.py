@@ -173,6 +173,10 @@ class MemoryBackend:
         """Count workflows by status."""
         return dict(Counter(wf["status"] for wf in self.workflows.values()))
 
+    def busy(self) -> int:
+        """Count the workflows at work: none, in memory."""
+        return 0
+
     @asynccontextmanager
     async def subscribe_logs(
         self, workflow_id: str | None = None, *, follow: bool = True

@@ -51,6 +51,7 @@ class Backend(Protocol):
     async def history(self, workflow_id: str, *, limit: int = 1000) -> Records: ...
     async def cancel(self, workflow_id: str) -> dict[str, Any]: ...
     async def counts(self) -> dict[str, int]: ...
+    def busy(self) -> int: ...
     def subscribe_logs(
         self, workflow_id: str | None = None, *, follow: bool = True
     ) -> AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]: ...
@@ -246,7 +247,7 @@ class _Control:
         b = self.backend
         match req:
             case proto.Ping():
-                return {"version": version(), "workflows": await b.counts()}
+                return {"version": version(), "workflows": await b.counts(), "busy": b.busy()}
             case proto.Start():
                 return await b.start(req.workflow, req.workflow_id, req.input)
             case proto.Send():

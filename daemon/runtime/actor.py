@@ -103,6 +103,11 @@ class Actor:
     _inbox_done: list[int] = field(default_factory=list)
     _io_failures: int = 0
 
+    @property
+    def busy(self) -> bool:
+        """Tell whether the actor is working, rather than sleeping until a retry is due."""
+        return not self._interruptible
+
     def interrupt(self) -> None:
         """Stop the running step or retry wait because a cancel is coming."""
         self._cancelling = True

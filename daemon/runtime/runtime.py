@@ -403,6 +403,10 @@ class Runtime:
         """Count workflows by status."""
         return await self.store.counts()
 
+    def busy(self) -> int:
+        """Count the workflows with a step, callback or resume in flight (not a retry backoff)."""
+        return sum(1 for actor in self.actors.values() if actor.busy)
+
     def subscribe_logs(
         self, workflow_id: str | None = None, *, follow: bool = True
     ) -> AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]:
