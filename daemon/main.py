@@ -18,18 +18,22 @@ import anyio
 import anyio.abc
 import structlog
 
-from daemon.control.server import serve
+from daemon.control.server import Server, serve
 from daemon.control.sockfile import listener_from_systemd
 from daemon.core.workflow import Workflow
-from daemon.errors import BadRequest, ConfigError, StoreLocked, ValidationError
+from daemon.errors import ConfigError, StoreLocked, ValidationError
+from daemon.ops.backup import backup
+from daemon.ops.modules import load_registry
 from daemon.ops.reload import Reloader, settings_of
+from daemon.ops.repairs import Repairs
 from daemon.runtime.runtime import Runtime
 from daemon.service.config import Config, load_config
 from daemon.service.journal import JOURNAL_SOCKET
 from daemon.service.journal import attached as journal_attached
 from daemon.service.log import LogHub, configure_logging
 from daemon.service.notify import Notifier, watchdog_loop
-from daemon.store.sqlite import Store
+from daemon.store.base import Store
+from daemon.store.sqlite import SQLiteStore
 
 log = structlog.get_logger()
 STATUS_EVERY_S = 1.0
@@ -52,12 +56,7 @@ class DaemonOps:
 
     async def backup(self, path: str) -> dict[str, Any]:
         """Copy the database to a new file at the absolute `path`."""
-        dest = Path(path)
-        if not dest.is_absolute():
-            raise BadRequest(f"the backup path must be absolute, not {path!r}")
-        size = await self.store.backup(dest)
-        log.info("backup_written", path=path, bytes=size)
-        return {"path": path, "bytes": size}
+        return await backup(self.store, path)
 
 
 async def run_daemon(
@@ -75,7 +74,7 @@ async def run_daemon(
     notifier = Notifier.from_env(unset=True)
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with (
-            Store.open(
+            SQLiteStore.open(
                 cfg.store.path,
                 synchronous=cfg.store.synchronous,
                 history_keep=cfg.store.history_keep,
@@ -87,7 +86,23 @@ async def run_daemon(
             # the cyclic GC from rescanning it on every full collection.
             gc.freeze()
             d = cfg.daemon
-            reloader = Reloader(cfg, rt, notifier)
+            reloader = Reloader(
+                cfg,
+                store=store,
+                cache=rt.cache,
+                running=rt.scheduler.running,
+                configure=rt.configure,
+                notifier=notifier,
+            )
+            repairs = Repairs(
+                store=store,
+                cache=rt.cache,
+                scheduler=rt.scheduler,
+                arms=rt.arms,
+                recover=rt.recover_one,
+                gc=rt.gc,
+                keep_days=lambda: rt.settings.keep_finished_days,
+            )
             listener = await listener_from_systemd()
             serve_control = partial(
                 serve,
@@ -100,6 +115,7 @@ async def run_daemon(
                 max_request_bytes=d.max_request_bytes,
                 max_connections=d.max_connections,
                 idle_timeout=d.idle_timeout_s,
+                repairs=repairs,
                 ops=DaemonOps(reloader, store),
             )
             control = anyio.CancelScope()
@@ -142,7 +158,7 @@ async def _second_signal(signals: AsyncIterator[int], drain: anyio.CancelScope) 
         return
 
 
-def _configure_control(control: Any, cfg: Config) -> None:
+def _configure_control(control: Server, cfg: Config) -> None:
     d = cfg.daemon
     control.configure(
         allowed_uids=d.allowed_uids,
@@ -165,7 +181,7 @@ async def _report_status(rt: Runtime, notifier: Notifier) -> None:
         return
     last = ""
     while True:
-        line = status_line(await rt.counts(), len(rt.actors))
+        line = status_line(await rt.counts(), rt.busy())
         if line != last:
             notifier.status(line)
             last = line
@@ -207,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         # Under systemd, records go to journald natively, with fields (see daemon/journal.py).
         native = JOURNAL_SOCKET if journal_attached(sys.stdout) else None
         configure_logging(cfg.log.level, cfg.log.format, hub=hub, journal=native)
-        registry = Reloader.load_registry(cfg)
+        registry = load_registry(cfg)
     except (ConfigError, ValidationError) as e:
         print(f"workflowd: {e}", file=sys.stderr)
         return 2

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from daemon.errors import ConfigError
-from daemon.service.config import Config, import_workflow_modules, load_config, parse_config
+from daemon.ops.modules import import_workflow_modules
+from daemon.service.config import Config, load_config, parse_config
 
 REPO = Path(__file__).resolve().parent.parent
 

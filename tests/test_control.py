@@ -26,8 +26,9 @@ from anyio.streams.memory import MemoryObjectSendStream
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from daemon.control.dispatch import Backend
 from daemon.control.protocol import ERROR_CODES, OPS, encode
-from daemon.control.server import Backend, serve
+from daemon.control.server import serve
 from daemon.control.sockfile import listener_from_systemd
 from daemon.errors import (
     CallbackNotFound,

@@ -25,7 +25,7 @@ from daemon import Workflow
 from daemon.clock import FakeClock
 from daemon.errors import CallbackNotFound, StaleCallback
 from daemon.runtime.runtime import Runtime
-from daemon.store.sqlite import Store
+from daemon.store.sqlite import SQLiteStore
 from tests.handler_workflows import Guarded, Race
 from tests.harness import Daemon, running_daemon, wait_status
 from tests.support import settled
@@ -37,7 +37,7 @@ REGISTRY: dict[str, type[Workflow]] = {c.name: c for c in (Guarded, Race)}
 @asynccontextmanager
 async def running(db: Path, clock: FakeClock | None = None) -> AsyncIterator[Runtime]:
     """Open a store and a runtime on it for the body of the block."""
-    async with Store.open(db) as store, Runtime.open(store, REGISTRY, clock=clock) as rt:
+    async with SQLiteStore.open(db) as store, Runtime.open(store, REGISTRY, clock=clock) as rt:
         yield rt
 
 
@@ -355,7 +355,7 @@ class TestLateEvent:
             await until(lambda: unix_listening(sock))
             await settled(rt, "s", "Waiting")  # no actor left from the start
             tg.start_soon(rt.send, "s", "stop", "first")
-            await until(lambda: "s" in rt.actors)  # stop is being handled
+            await until(lambda: rt.scheduler.running("s"))  # stop is being handled
             reply = await exchange(sock, line=b"1")
             assert reply["ok"] is False and reply["error"]["code"] in ("not_found", "stale")
             assert (await settled(rt, "s", "Finished"))["data"]["ran"] == ["stop"]
@@ -372,7 +372,7 @@ class TestLateEvent:
             await until(lambda: fds()["inotify"] == base["inotify"] + 1)
             await settled(rt, "f", "Waiting")  # no actor left from the start
             tg.start_soon(rt.send, "f", "stop", "first")
-            await until(lambda: "f" in rt.actors)  # stop is being handled
+            await until(lambda: rt.scheduler.running("f"))  # stop is being handled
             target.write_text("now")
             assert (await settled(rt, "f", "Finished"))["data"]["ran"] == ["stop"]
             await until(lambda: listen_tasks() == 0 and fds() == base)
@@ -420,7 +420,7 @@ class TestRace:
             with anyio.fail_after(30):
                 while True:
                     await rt.wait_idle()
-                    loaded = await rt.load("r")
+                    loaded = await rt.cache.load("r")
                     if loaded.state.status.value == "Finished":
                         break
                     wf = loaded.wf
@@ -438,7 +438,7 @@ class TestRace:
                         sent[n] = await rt.send("r", "poke", None, pc=pc)
                     except (CallbackNotFound, StaleCallback):
                         refused.append(n)
-            wf = (await rt.load("r")).wf
+            wf = (await rt.cache.load("r")).wf
             assert isinstance(wf, Race)
             winners = wf.winners
             assert len(rt.arms) == 0
@@ -460,7 +460,7 @@ class TestRace:
             with anyio.fail_after(30):
                 while True:
                     await rt.wait_idle()
-                    loaded = await rt.load("r")
+                    loaded = await rt.cache.load("r")
                     if loaded.state.status.value == "Finished":
                         break
                     (pc,) = {
@@ -482,7 +482,7 @@ class TestRace:
                         tg.start_soon(poke)
                         await anyio.sleep((n // 4 % 4) / 1000)
                         replies.append(await exchange_retrying(sock, f"{n}".encode()))
-            wf = (await rt.load("r")).wf
+            wf = (await rt.cache.load("r")).wf
             assert isinstance(wf, Race)
             await until(lambda: listen_tasks() == 0)
         assert [int(w.split(":")[0]) for w in wf.winners] == list(range(rounds))

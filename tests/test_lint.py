@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import structlog
 
 from daemon import Break, For, Go, If, On, Return, S, Section, Step, Wait, WaitFor, Workflow
-from daemon.core.lint import Finding, lint, lint_workflow, log_findings
+from daemon.core.lint import Finding, lint, lint_workflow
+from daemon.runtime.runtime import log_findings
 from tests.support import Recorder
 
 SIGNAL = Recorder(type="signal")

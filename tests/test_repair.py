@@ -17,16 +17,16 @@ from typing import Any
 import anyio
 import pytest
 
-from daemon.control.server import Repairs
-from daemon.runtime.runtime import Runtime
+from daemon.control.dispatch import RepairTools
+from daemon.ops.repairs import Repairs
 from tests.harness import REPO, Client, Daemon, running_daemon, wait_status, write_config
 from tests.support import eventually
 
 MODULES = ["tests.repair_workflows"]
 
 
-def _conforms(rt: Runtime) -> Repairs:
-    return rt  # mypy checks here that the runtime offers every repair op
+def _conforms(repairs: Repairs) -> RepairTools:
+    return repairs  # mypy checks here that the repair service offers every repair op
 
 
 @pytest.fixture

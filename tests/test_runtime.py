@@ -28,8 +28,9 @@ from daemon import (
 )
 from daemon.clock import FakeClock
 from daemon.errors import Conflict, HandlerRejected, UnknownWorkflowType, WorkflowNotFound
-from daemon.runtime.runtime import Runtime, Settings
-from daemon.store.sqlite import Store
+from daemon.runtime.runtime import Runtime
+from daemon.runtime.settings import Settings
+from daemon.store.sqlite import SQLiteStore
 from handlers import Signal, Timer
 from tests.support import eventually
 from tests.support import settled as until
@@ -138,7 +139,7 @@ async def running(
 ) -> AsyncIterator[Runtime]:
     """Open a store and a runtime on it for the body of the block."""
     async with (
-        Store.open(db) as store,
+        SQLiteStore.open(db) as store,
         Runtime.open(store, REGISTRY, Settings(**settings), clock=clock or FakeClock()) as rt,
     ):
         yield rt
@@ -225,7 +226,7 @@ class TestCallbacks:
         async with running(db) as rt:
             await rt.start("Approval", "a1")
             await until(rt, "a1", "Waiting")
-        async with Store.open(db) as store:
+        async with SQLiteStore.open(db) as store:
             await store.inbox_put("a1", "decision", {"decision": "later"})
         async with running(db) as rt:
             shown = await until(rt, "a1", "Finished")
@@ -402,6 +403,7 @@ class TestRecovery:
                 await rt.start("Counter", f"c{n}", {"upto": 10})
             for n in range(50):
                 await until(rt, f"c{n}", "Finished")
+            assert isinstance(rt.store, SQLiteStore)
             assert rt.store.stats.commits < rt.store.stats.writes
 
 

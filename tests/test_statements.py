@@ -33,7 +33,8 @@ from daemon import (
     validate,
     walk,
 )
-from daemon.core.statements import Definition, truth
+from daemon.core.definition import Definition
+from daemon.core.statements import truth
 from tests.support import Recorder
 
 REC = Recorder()

@@ -14,7 +14,9 @@ import pytest
 from daemon.clock import FakeClock, use_clock
 from daemon.errors import ConfigError, StoreLocked, Unavailable, WorkflowNotFound
 from daemon.store import schema as schema_module
-from daemon.store.sqlite import MIGRATIONS, Store, WorkflowRow
+from daemon.store.base import WorkflowRow
+from daemon.store.schema import MIGRATIONS
+from daemon.store.sqlite import SQLiteStore
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,7 +50,7 @@ class TestOpen:
     async def test_creates_schema_and_version(self, tmp_path: Path) -> None:
         """Opening a new path creates the directory, the tables and sets user_version."""
         db = tmp_path / "state" / "wf.db"
-        async with Store.open(db) as store:
+        async with SQLiteStore.open(db) as store:
             assert store.path == db
         tables = {r[0] for r in raw(db, "SELECT name FROM sqlite_master WHERE type = 'table'")}
         assert {"workflows", "history", "inbox"} <= tables
@@ -58,9 +60,9 @@ class TestOpen:
     async def test_reopen_keeps_data(self, tmp_path: Path) -> None:
         """Rows written before a close are there after reopening."""
         db = tmp_path / "wf.db"
-        async with Store.open(db) as store:
+        async with SQLiteStore.open(db) as store:
             await store.create(row("a"), history=[("created", {"by": "test"})])
-        async with Store.open(db) as store:
+        async with SQLiteStore.open(db) as store:
             got = await store.get("a")
             assert got is not None and got.name == "Demo" and got.created_at > 0
             assert [h.kind for h in await store.history("a")] == ["created"]
@@ -70,12 +72,12 @@ class TestOpen:
     ) -> None:
         """A new migration runs on the next open and never again."""
         db = tmp_path / "wf.db"
-        async with Store.open(db):
+        async with SQLiteStore.open(db):
             pass
         extra = "CREATE TABLE ran (x INTEGER); INSERT INTO ran VALUES (1);"
         monkeypatch.setattr(schema_module, "MIGRATIONS", [*MIGRATIONS, extra])
         for _ in range(2):
-            async with Store.open(db):
+            async with SQLiteStore.open(db):
                 pass
         assert raw(db, "SELECT COUNT(*) FROM ran") == [(1,)]
         assert raw(db, "PRAGMA user_version") == [(len(MIGRATIONS) + 1,)]
@@ -85,24 +87,24 @@ class TestOpen:
         db = tmp_path / "wf.db"
         raw(db, f"PRAGMA user_version = {len(MIGRATIONS) + 5}")
         with pytest.raises(ConfigError, match="schema version"):
-            async with Store.open(db):
+            async with SQLiteStore.open(db):
                 pass
 
     async def test_synchronous_full(self, tmp_path: Path) -> None:
         """synchronous='full' sets FULL on the write connection."""
-        async with Store.open(tmp_path / "wf.db", synchronous="full") as store:
+        async with SQLiteStore.open(tmp_path / "wf.db", synchronous="full") as store:
             assert list(await store._writer.execute_fetchall("PRAGMA synchronous")) == [(2,)]
             assert await store.create(row("a"))
 
     async def test_bad_synchronous(self, tmp_path: Path) -> None:
         """Any synchronous value other than normal/full is a configuration error."""
         with pytest.raises(ConfigError, match="synchronous"):
-            async with Store.open(tmp_path / "wf.db", synchronous="off"):
+            async with SQLiteStore.open(tmp_path / "wf.db", synchronous="off"):
                 pass
 
     async def test_closed_store_refuses_writes(self, tmp_path: Path) -> None:
         """A write after the store closed raises Unavailable."""
-        async with Store.open(tmp_path / "wf.db") as store:
+        async with SQLiteStore.open(tmp_path / "wf.db") as store:
             pass
         with pytest.raises(Unavailable):
             await store.create(row("a"))
@@ -111,25 +113,25 @@ class TestOpen:
         """An error inside the block comes out as is, and the database is released."""
         db = tmp_path / "wf.db"
         with pytest.raises(KeyError, match="boom"):
-            async with Store.open(db) as store:
+            async with SQLiteStore.open(db) as store:
                 await store.create(row("a"))
                 raise KeyError("boom")
-        async with Store.open(db) as store:
+        async with SQLiteStore.open(db) as store:
             assert await store.get("a") is not None
 
     async def test_cancel_unlocks(self, tmp_path: Path) -> None:
         """Cancelling the block closes the store and releases the lock."""
         db = tmp_path / "wf.db"
         with anyio.move_on_after(0.05):
-            async with Store.open(db) as store:
+            async with SQLiteStore.open(db) as store:
                 await anyio.sleep_forever()
-        async with Store.open(db) as store:
+        async with SQLiteStore.open(db) as store:
             assert await store.counts() == {}
 
     async def test_queued_writes_are_drained(self, tmp_path: Path) -> None:
         """Writes queued when the store closes are committed, not dropped."""
         db = tmp_path / "wf.db"
-        async with anyio.create_task_group() as tg, Store.open(db) as store:
+        async with anyio.create_task_group() as tg, SQLiteStore.open(db) as store:
             for i in range(50):
                 tg.start_soon(store.create, row(f"w{i}"))
             await anyio.lowlevel.checkpoint()
@@ -139,11 +141,11 @@ class TestOpen:
 class TestLock:
     SCRIPT = (
         "import sys, anyio\n"
-        "from daemon.store.sqlite import Store\n"
+        "from daemon.store.sqlite import SQLiteStore\n"
         "from daemon.errors import StoreLocked\n"
         "async def main():\n"
         "    try:\n"
-        "        async with Store.open(sys.argv[1]):\n"
+        "        async with SQLiteStore.open(sys.argv[1]):\n"
         "            print('opened')\n"
         "    except StoreLocked as e:\n"
         "        print('locked:', e)\n"
@@ -158,7 +160,7 @@ class TestLock:
     async def test_second_process_is_refused(self, tmp_path: Path) -> None:
         """Another process cannot open a database this one holds, and can once it is closed."""
         db = tmp_path / "wf.db"
-        async with Store.open(db):
+        async with SQLiteStore.open(db):
             assert await self.open_elsewhere(db) == (
                 f"locked: another workflowd holds {db} (lock {db}.lock)"
             )
@@ -166,16 +168,16 @@ class TestLock:
 
     async def test_second_open_in_process_is_refused(self, tmp_path: Path) -> None:
         """Opening the same database twice in one process raises StoreLocked."""
-        async with Store.open(tmp_path / "wf.db"):
+        async with SQLiteStore.open(tmp_path / "wf.db"):
             with pytest.raises(StoreLocked, match="another workflowd holds"):
-                async with Store.open(tmp_path / "wf.db"):
+                async with SQLiteStore.open(tmp_path / "wf.db"):
                     pass
 
 
 class TestWrites:
     async def test_create_is_idempotent(self, tmp_path: Path) -> None:
         """A second create with the same id returns False and changes nothing."""
-        async with Store.open(tmp_path / "wf.db") as store:
+        async with SQLiteStore.open(tmp_path / "wf.db") as store:
             assert await store.create(row("a"), history=[("created", {})])
             other = WorkflowRow(id="a", name="Other", status="Waiting", data="{}", state="{}")
             assert not await store.create(other, history=[("created", {})])
@@ -185,7 +187,7 @@ class TestWrites:
 
     async def test_checkpoint_writes_everything(self, tmp_path: Path) -> None:
         """A checkpoint updates the row, appends history and drops applied inbox rows."""
-        async with Store.open(tmp_path / "wf.db") as store:
+        async with SQLiteStore.open(tmp_path / "wf.db") as store:
             await store.create(row("a"))
             first = await store.inbox_put("a", "go", {"n": 1}, thread_id="main", pc=3)
             second = await store.inbox_put("a", "go", {"n": 2})
@@ -205,7 +207,7 @@ class TestWrites:
 
     async def test_checkpoint_unknown_id(self, tmp_path: Path) -> None:
         """A checkpoint of an unknown workflow raises WorkflowNotFound and deletes nothing."""
-        async with Store.open(tmp_path / "wf.db") as store:
+        async with SQLiteStore.open(tmp_path / "wf.db") as store:
             await store.create(row("a"))
             put = await store.inbox_put("a", "go", None)
             with pytest.raises(WorkflowNotFound):
@@ -216,12 +218,12 @@ class TestWrites:
     async def test_checkpoint_is_atomic(self, tmp_path: Path) -> None:
         """If appending history fails, neither the row nor the inbox changes."""
         db = tmp_path / "wf.db"
-        async with Store.open(db) as store:
+        async with SQLiteStore.open(db) as store:
             await store.create(row("a"))
             put = await store.inbox_put("a", "go", None)
         raw(db, "CREATE TRIGGER boom BEFORE INSERT ON history WHEN NEW.kind = 'boom'"
                 " BEGIN SELECT RAISE(ABORT, 'boom refused'); END")  # fmt: skip
-        async with Store.open(db) as store:
+        async with SQLiteStore.open(db) as store:
             with pytest.raises(sqlite3.IntegrityError, match="boom refused"):
                 await store.checkpoint("a", status="Waiting", data='{"i":9}', state="{}",
                                        history=[("boom", {})], inbox_done=[put])  # fmt: skip
@@ -231,7 +233,7 @@ class TestWrites:
 
     async def test_set_status_and_add_history(self, tmp_path: Path) -> None:
         """set_status keeps data, keeps attempt when None, and both append history."""
-        async with Store.open(tmp_path / "wf.db") as store:
+        async with SQLiteStore.open(tmp_path / "wf.db") as store:
             await store.create(WorkflowRow("a", "Demo", "Resuming", '{"x":1}', "{}", attempt=3))
             await store.set_status("a", status="Failed", error="bad", history=[("failed", {})])
             await store.add_history("a", "note", {"k": [1, 2]})
@@ -247,7 +249,7 @@ class TestWrites:
     async def test_history_retention(self, tmp_path: Path) -> None:
         """Only the newest history_keep entries per workflow are kept."""
         db = tmp_path / "wf.db"
-        async with Store.open(db, history_keep=5) as store:
+        async with SQLiteStore.open(db, history_keep=5) as store:
             await store.create(row("a"), history=[("created", {})])
             await store.create(row("b"), history=[("created", {})])
             for i in range(12):
@@ -263,7 +265,7 @@ class TestWrites:
 class TestGroupCommit:
     async def test_concurrent_checkpoints_share_commits(self, tmp_path: Path) -> None:
         """200 concurrent checkpoints commit in fewer transactions than writes."""
-        async with Store.open(tmp_path / "wf.db") as store:
+        async with SQLiteStore.open(tmp_path / "wf.db") as store:
             for i in range(200):
                 await store.create(row(f"w{i}"))
             before = (store.stats.commits, store.stats.writes)
@@ -284,7 +286,7 @@ class TestGroupCommit:
 
     async def test_unknown_id_fails_alone(self, tmp_path: Path) -> None:
         """One checkpoint for an unknown id fails; the rest of its batch commits."""
-        async with Store.open(tmp_path / "wf.db") as store:
+        async with SQLiteStore.open(tmp_path / "wf.db") as store:
             for i in range(50):
                 await store.create(row(f"w{i}"))
             errors: list[BaseException] = []
@@ -308,7 +310,7 @@ class TestGroupCommit:
 
     async def test_disk_full_fails_alone(self, tmp_path: Path) -> None:
         """A write that hits SQLITE_FULL fails alone; the small writes of its batch commit."""
-        async with Store.open(tmp_path / "wf.db") as store:
+        async with SQLiteStore.open(tmp_path / "wf.db") as store:
             for i in range(20):
                 await store.create(row(f"w{i}"))
             ((pages,),) = await store._writer.execute_fetchall("PRAGMA page_count")
@@ -333,7 +335,7 @@ class TestGroupCommit:
     async def test_busy_database_fails_batch_without_retries(self, tmp_path: Path) -> None:
         """When another connection holds the write lock, the batch fails as a whole, unsplit."""
         db = tmp_path / "wf.db"
-        async with Store.open(db) as store:
+        async with SQLiteStore.open(db) as store:
             for i in range(10):
                 await store.create(row(f"w{i}"))
             await store._writer.execute("PRAGMA busy_timeout = 50")
@@ -362,7 +364,7 @@ class TestGroupCommit:
 class TestReads:
     async def test_inbox(self, tmp_path: Path) -> None:
         """Inbox rows come back oldest first, per workflow or all, until marked done."""
-        async with Store.open(tmp_path / "wf.db") as store:
+        async with SQLiteStore.open(tmp_path / "wf.db") as store:
             a1 = await store.inbox_put("a", "go", {"x": [1]}, thread_id="t", pc=4)
             b1 = await store.inbox_put("b", "stop", "now")
             a2 = await store.inbox_put("a", "go", None)
@@ -378,7 +380,7 @@ class TestReads:
     async def test_list_get_counts(self, tmp_path: Path) -> None:
         """list filters by status and name, newest update first; counts groups by status."""
         with fake_clock() as clock:
-            async with Store.open(tmp_path / "wf.db") as store:
+            async with SQLiteStore.open(tmp_path / "wf.db") as store:
                 for wid, status, name in [("a", "Waiting", "X"), ("b", "Finished", "X"),
                                           ("c", "Waiting", "Y")]:  # fmt: skip
                     clock.advance(1)
@@ -392,7 +394,7 @@ class TestReads:
 
     async def test_unfinished_streams_pages(self, tmp_path: Path) -> None:
         """unfinished yields every non-final row and reads later pages only when reached."""
-        async with Store.open(tmp_path / "wf.db") as store:
+        async with SQLiteStore.open(tmp_path / "wf.db") as store:
             for i in range(35):
                 await store.create(row(f"w{i:02}", "Finished" if i % 5 == 0 else "Waiting"))
             seen = []
@@ -406,7 +408,7 @@ class TestReads:
         """Old workflows in a final status are deleted with their history and inbox."""
         db = tmp_path / "wf.db"
         with fake_clock(1000.0) as clock:
-            async with Store.open(db) as store:
+            async with SQLiteStore.open(db) as store:
                 for wid, status in [("a", "Finished"), ("b", "Failed"), ("c", "Waiting")]:
                     await store.create(row(wid, status), history=[("created", {})])
                     await store.inbox_put(wid, "go", None)

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import msgspec
 import structlog
 
 from daemon.control import protocol as proto
-from daemon.control import sockfile
 from daemon.control.protocol import encode, error
+from daemon.control.wire import Wire
 from daemon.errors import WorkflowError
-
-if TYPE_CHECKING:
-    from daemon.control.server import _Control
 
 log = structlog.get_logger()
 
@@ -28,6 +27,45 @@ MAX_IN_FLIGHT = 64
 _requests = msgspec.json.Decoder(proto.AnyRequest)
 
 Parked = asyncio.Future["proto.AnyRequest | proto.ProtocolError | None"]
+#: Writes one response line.
+Reply = Callable[[dict[str, Any]], Awaitable[None]]
+#: Runs one request from the peer with uid `who` and returns its result.
+Dispatch = Callable[[proto.AnyRequest, Reply, "int | None"], Awaitable[Any]]
+
+
+@dataclass(slots=True)
+class Limits:
+    """What a connection may do; the server changes these in place on reload."""
+
+    #: The longest request line.
+    max_bytes: int = proto.MAX_REQUEST_BYTES
+    #: Seconds a connection may sit idle, or take to read an answer.
+    idle: float = 300.0
+
+
+class InFlight:
+    """Counts the requests being answered across every connection, so shutdown can wait."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._quiet = anyio.Event()
+
+    def started(self) -> None:
+        """Count a request being answered."""
+        self.count += 1
+
+    def done(self) -> None:
+        """Count a request answered."""
+        self.count -= 1
+        if not self.count:
+            self._quiet.set()
+
+    async def quiet(self, grace_s: float) -> None:
+        """Wait up to `grace_s` until no request is being answered."""
+        with anyio.move_on_after(grace_s):
+            while self.count:
+                self._quiet = anyio.Event()
+                await self._quiet.wait()
 
 
 class Session:
@@ -38,8 +76,17 @@ class Session:
     sends again is served by the same task throughout.
     """
 
-    def __init__(self, control: _Control, wire: sockfile.Wire, uid: int | None = None) -> None:
-        self.control, self.wire, self.uid = control, wire, uid
+    def __init__(
+        self,
+        wire: Wire,
+        uid: int | None = None,
+        *,
+        dispatch: Dispatch,
+        limits: Limits,
+        in_flight: InFlight,
+    ) -> None:
+        self.wire, self.uid = wire, uid
+        self._dispatch, self._limits, self._all = dispatch, limits, in_flight
         self.in_flight = 0
         self.eof = False
         self.parked: list[Parked] = []
@@ -50,8 +97,8 @@ class Session:
         """Answer every request until EOF, idleness or an oversized line."""
         async with anyio.create_task_group() as self.tg, anyio.create_task_group() as follows:
             while not self.eof and (line := await self._next_line()) is not None:
-                if len(line) > self.control.max_bytes:
-                    message = f"request line over {self.control.max_bytes} bytes"
+                if len(line) > self._limits.max_bytes:
+                    message = f"request line over {self._limits.max_bytes} bytes"
                     await self.reply(error(None, "too_large", message))
                     self.tg.cancel_scope.cancel()
                     return
@@ -61,7 +108,7 @@ class Session:
                         self.room = anyio.Event()
                         await self.room.wait()
                     self.in_flight += 1
-                    self.control.request_started()
+                    self._all.started()
                     if isinstance(req, proto.Logs) and req.follow:
                         follows.start_soon(self._answer, req)
                     else:
@@ -94,7 +141,7 @@ class Session:
         """Return the next line (too long if over the limit), or None once idle or gone."""
         wire = self.wire
         while True:
-            line = wire.line(self.control.max_bytes)
+            line = wire.line(self._limits.max_bytes)
             if line is not None:
                 return line
             if wire.eof:
@@ -103,7 +150,7 @@ class Session:
             if wire.lost:
                 self.tg.cancel_scope.cancel()  # the peer is gone: nobody to answer
                 return None
-            if not await wire.readable(self.control.idle) and not self.in_flight:
+            if not await wire.readable(self._limits.idle) and not self.in_flight:
                 return None
 
     async def _answer(self, req: proto.AnyRequest | proto.ProtocolError) -> None:
@@ -114,13 +161,13 @@ class Session:
                 await self.reply(await self._respond(req))
         finally:
             self.in_flight -= 1
-            self.control.request_done()
+            self._all.done()
             if self.room is not None:
                 self.room.set()
 
     async def _respond(self, req: proto.AnyRequest) -> dict[str, Any]:
         try:
-            return proto.ok(req.id, await self.control.dispatch(req, self.reply, self.uid))
+            return proto.ok(req.id, await self._dispatch(req, self.reply, self.uid))
         except WorkflowError as e:
             return error(req.id, e.code, e.message)
         except (sqlite3.Error, OSError) as e:
@@ -146,7 +193,7 @@ class Session:
         if wire.lost:
             self.tg.cancel_scope.cancel()
         elif not wire.is_flushed():
-            with anyio.move_on_after(self.control.idle) as stalled:
+            with anyio.move_on_after(self._limits.idle) as stalled:
                 await wire.flushed()
             if stalled.cancelled_caught or wire.lost:
                 self.tg.cancel_scope.cancel()

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Container
 from typing import Any, Protocol
 
+# Explicit re-exports (mypy's idiom): daemon.core.engine.Definition and .validate stay importable.
+from daemon.core.definition import Definition as Definition  # noqa: PLC0414
+from daemon.core.definition import dispatch_entry
+from daemon.core.definition import validate as validate  # noqa: PLC0414
 from daemon.core.handler import CallbackRequest, Handler
 from daemon.core.state import (
     ARMED,
@@ -38,13 +42,8 @@ from daemon.core.statements import (
     Wait,
     WaitFor,
     _Branching,
-    dispatch_entry,
     truth,
 )
-
-# Explicit re-exports (mypy's idiom): daemon.engine.Definition and .validate stay importable.
-from daemon.core.statements import Definition as Definition  # noqa: PLC0414
-from daemon.core.statements import validate as validate  # noqa: PLC0414
 from daemon.errors import (
     CallbackNotFound,
     HandlerRejected,
@@ -330,18 +329,7 @@ class _Resumer:
         return False
 
     async def teardown(self) -> None:
-        for t in self.state.threads:
-            for ev in list(t.wait_events):
-                if ev.status not in TEARDOWN_DUE:
-                    continue
-                try:
-                    await self.handler(ev).teardown(ev.req, ev.handled)
-                except Exception as e:  # noqa: BLE001 - any handler failure is recorded
-                    # Recorded, not raised: the thread can go on and teardown is retried later.
-                    ev.status, ev.error = EventStatus.TEARDOWN_ERROR, _describe(e)
-                    continue
-                t.wait_events.remove(ev)
-                await self.checkpoint(CheckpointType.AFTER_TEARDOWN)
+        await teardown_waits(self.state, self.handler, self.checkpoint)
 
     async def setup(self) -> None:
         for t in self.state.threads:
@@ -364,6 +352,74 @@ class _Resumer:
         return on.handler
 
 
+async def teardown_waits(
+    state: State,
+    handler_of: Callable[[WaitEvent], Handler],
+    checkpoint: Checkpoint | None = None,
+    *,
+    keep: Container[tuple[str, str, int]] = (),
+) -> int:
+    """Tear down every wait due for it, except those in `keep`; return how many failed.
+
+    The one teardown loop: `resume`, the end of a workflow, the janitor and `undo` all use it.
+    A failure (the handler raised, or `handler_of` found no handler) is recorded on the wait,
+    not raised: the thread can go on and the teardown is retried later.
+    """
+    failed = 0
+    for t in state.threads:
+        for ev in list(t.wait_events):
+            if ev.status not in TEARDOWN_DUE or (t.id, ev.req.name, ev.req.pc) in keep:
+                continue
+            try:
+                await handler_of(ev).teardown(ev.req, ev.handled)
+            except Exception as e:  # noqa: BLE001 - any handler failure is recorded
+                ev.status, ev.error = EventStatus.TEARDOWN_ERROR, _describe(e)
+                failed += 1
+                continue
+            t.wait_events.remove(ev)
+            if checkpoint is not None:
+                await checkpoint(CheckpointType.AFTER_TEARDOWN)
+    return failed
+
+
+def handlers_of(wf: Definable) -> Callable[[WaitEvent], Handler]:
+    """Return a lookup of each wait's handler in `wf`'s current definition.
+
+    A definition that cannot be built leaves every lookup failing, so the waits stay recorded
+    as teardown errors (to be retried once the code is fixed).
+    """
+    try:
+        events: dict[str, On] = Definition(wf.definition()).events
+    except Exception as e:  # noqa: BLE001 - user code: recorded on each wait instead
+        broken = _describe(e)
+        events = {}
+    else:
+        broken = ""
+
+    def lookup(ev: WaitEvent) -> Handler:
+        on = events.get(ev.req.name)
+        if on is None:
+            why = f": the definition cannot be built: {broken}" if broken else ""
+            raise StepNotFound(f"event {ev.req.name!r} is not in the definition{why}")
+        return on.handler
+
+    return lookup
+
+
+async def teardown_ended(wf: Definable, state: State) -> int:
+    """Tear down every wait left on an ended workflow; return how many still fail."""
+    release_waits(state)
+    failed = await teardown_waits(state, handlers_of(wf))
+    _drop_ended_threads(state)
+    return failed
+
+
+def _drop_ended_threads(state: State) -> None:
+    # Threads end with a finished workflow; ones whose teardown failed stay to be retried.
+    if state.status is WorkflowStatus.FINISHED:
+        state.threads = [t for t in state.threads if t.wait_events]
+
+
 def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
@@ -371,11 +427,11 @@ def _describe(e: BaseException) -> str:
 def release_waits(state: State) -> None:
     """Mark every armed wait of every thread for teardown (the workflow ended or was cancelled)."""
     for t in state.threads:
-        _release(t)
+        release_thread(t)
 
 
-def _release(t: Thread) -> None:
-    # Events never set up have nothing to tear down.
+def release_thread(t: Thread) -> None:
+    """Mark a thread's armed waits for teardown; drop those never set up (nothing to undo)."""
     kept = []
     for ev in t.wait_events:
         if ev.status is not _PENDING_SETUP:
@@ -413,8 +469,7 @@ async def resume(
             break
     if state.status in FINAL_STATUSES:
         await r.teardown()
-        # Threads are gone with the workflow; ones whose teardown failed stay to be retried.
-        state.threads = [t for t in state.threads if t.wait_events]
+        _drop_ended_threads(state)
     await r.setup()
     state.update_status()
 
@@ -444,7 +499,7 @@ async def handle_callback(req: CallbackRequest, wf: Definable, state: State, inp
     state.pc += 1
     event.handled = True
     thread.cur_callback = req.name
-    _release(thread)
+    release_thread(thread)
     thread.status = _RESUMING
     thread.pc += 1
     state.update_status()

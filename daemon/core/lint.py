@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import structlog
 
+from daemon.core.definition import Definition, named
 from daemon.core.statements import (
     Break,
     Continue,
-    Definition,
     For,
     Go,
     Return,
@@ -21,14 +19,11 @@ from daemon.core.statements import (
     Stmt,
     Wait,
     WaitFor,
-    _Branching,
     children,
     walk,
 )
 from daemon.core.workflow import Workflow
 from daemon.errors import WorkflowError
-
-log = structlog.get_logger()
 
 #: The handler type of handlers.Timer (the daemon package does not import handlers).
 TIMER_TYPE = "timer"
@@ -49,18 +44,6 @@ class Finding:
         """Return the finding as JSON-able data."""
         out: dict[str, Any] = msgspec.to_builtins(self)
         return out
-
-
-def _names(stmt: Stmt) -> Iterator[tuple[str, str]]:
-    """Yield (name, kind) for every named statement and Wait case."""
-    for s in walk(stmt):
-        match s:
-            case Step() | For() | Wait() | WaitFor() | Go():
-                yield s.name, type(s).__name__
-                if isinstance(s, Wait):
-                    yield from ((c.event, "event") for c in s.cases)
-            case _Branching(branches=branches):
-                yield from ((b.name, "branch") for b in branches)
 
 
 def _blocks(stmt: Stmt) -> bool:
@@ -96,8 +79,10 @@ def lint(root: Section) -> list[Finding]:
 
 def _duplicates(root: Section) -> list[Finding]:
     kinds: dict[str, list[str]] = {}
-    for name, kind in _names(root):
-        kinds.setdefault(name, []).append(kind)
+    for n in named(root):
+        # Statements by their class (as the author wrote them), cases and branches by kind.
+        label = n.kind if n.kind in ("event", "branch") else type(n.node).__name__
+        kinds.setdefault(n.name, []).append(label)
     found = []
     for name, seen in kinds.items():
         if len(seen) > 1:
@@ -146,20 +131,3 @@ def lint_workflow(cls: type[Workflow]) -> list[Finding]:
         message = f"definition() raised {type(e).__name__}: {e}"
         return [Finding("error", "definition_failed", "", message)]
     return lint(root)
-
-
-def log_findings(registry: dict[str, type[Workflow]]) -> int:
-    """Log the findings of every registered workflow type (at start); return how many."""
-    count = 0
-    for name, cls in sorted(registry.items()):
-        try:
-            findings = lint_workflow(cls)
-        except Exception as e:  # noqa: BLE001 - checking must never stop the daemon
-            findings = [Finding("error", "invalid", "", f"{type(e).__name__}: {e}")]
-        for f in findings:
-            count += 1
-            emit = log.error if f.level == "error" else log.warning
-            emit(
-                f"lint_{f.level}", workflow=name, code=f.code, statement=f.statement, note=f.message
-            )
-    return count

@@ -1,18 +1,15 @@
-"""The workflow DSL: the statements a `definition()` returns; walking, indexing, validating."""
+"""The workflow DSL: the statements a `definition()` returns, and walking them."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from daemon.core.handler import Handler
-from daemon.errors import UnknownStatement, ValidationError
 
 #: A condition is a plain value evaluated when the definition is built, or a callable.
 Cond = bool | object | Callable[[], object]
-_F = TypeVar("_F")
-_N = TypeVar("_N")
 #: A step's action: sync or async, no arguments.
 Action = Callable[[], object] | Callable[[], Awaitable[object]]
 
@@ -281,130 +278,3 @@ def definition_to_dict(stmt: Stmt) -> dict[str, Any]:
         case Return():
             return {"type": "return"}
     return {"type": type(stmt).__name__}
-
-
-class Definition:
-    """A validated definition with its named statements indexed by name."""
-
-    __slots__ = ("named", "root")
-
-    def __init__(self, root: Section) -> None:
-        self.root = root
-        #: Every named statement, If/Switch branch and Wait case (by its event): names are
-        #: unique within a definition, so one dict indexes them all.
-        self.named: dict[str, Stmt | Branch | On] = {}
-        self._index(root, in_loop=False)
-
-    def get(self, name: str, kind: type[_N]) -> _N | None:
-        """Return the `kind` (e.g. Step) called `name`, or None."""
-        node = self.named.get(name)
-        return node if isinstance(node, kind) else None
-
-    def _all(self, kind: type[_N]) -> dict[str, _N]:
-        return {name: node for name, node in self.named.items() if isinstance(node, kind)}
-
-    @property
-    def steps(self) -> dict[str, Step]:
-        """Return the Steps by name."""
-        return self._all(Step)
-
-    @property
-    def waits(self) -> dict[str, Wait]:
-        """Return the Waits by name."""
-        return self._all(Wait)
-
-    @property
-    def wait_fors(self) -> dict[str, WaitFor]:
-        """Return the WaitFors by name."""
-        return self._all(WaitFor)
-
-    @property
-    def gos(self) -> dict[str, Go]:
-        """Return the Go statements by name."""
-        return self._all(Go)
-
-    @property
-    def events(self) -> dict[str, On]:
-        """Return the Wait cases by event name."""
-        return self._all(On)
-
-    def _claim(self, name: str, node: Stmt | Branch | On, what: str) -> None:
-        if not isinstance(name, str) or not name:
-            raise ValidationError(f"{what} needs a non-empty string name, got {name!r}")
-        if name in self.named:
-            raise ValidationError(f"duplicate name {name!r} ({what})")
-        self.named[name] = node
-
-    def _index(self, stmt: Stmt, in_loop: bool) -> None:
-        (_INDEX.get(type(stmt)) or dispatch_entry(_INDEX, stmt))(self, stmt, in_loop)
-
-    def _section(self, stmt: Section, in_loop: bool) -> None:
-        for s in stmt.stmts:
-            (_INDEX.get(type(s)) or dispatch_entry(_INDEX, s))(self, s, in_loop)
-
-    def _step(self, stmt: Step, in_loop: bool) -> None:
-        self._claim(stmt.name, stmt, "step")
-
-    def _branching(self, stmt: _Branching, in_loop: bool) -> None:
-        for b in stmt.branches:
-            self._claim(b.name, b, "branch")
-            self._section(b.body, in_loop)
-
-    def _for(self, stmt: For, in_loop: bool) -> None:
-        self._claim(stmt.name, stmt, "for")
-        self._section(stmt.body, True)
-
-    def _wait(self, stmt: Wait, in_loop: bool) -> None:
-        self._claim(stmt.name, stmt, "wait")
-        if not stmt.cases:
-            raise ValidationError(f"wait {stmt.name!r} has no cases")
-        for c in stmt.cases:
-            if not isinstance(c, On):
-                raise ValidationError(f"wait {stmt.name!r}: cases must be On(...), got {c!r}")
-            self._claim(c.event, c, "event")
-            self._section(c.body, in_loop)
-
-    def _wait_for(self, stmt: WaitFor, in_loop: bool) -> None:
-        self._claim(stmt.name, stmt, "wait_for")
-
-    def _go(self, stmt: Go, in_loop: bool) -> None:
-        self._claim(stmt.name, stmt, "go")
-        self._section(stmt.body, False)
-
-    def _jump(self, stmt: Break | Continue, in_loop: bool) -> None:
-        if not in_loop:
-            raise ValidationError(f"{type(stmt).__name__}() outside a For")
-
-    def _return(self, stmt: Return, in_loop: bool) -> None:
-        pass  # Return may end a thread anywhere.
-
-
-# A dict from statement type to method: cheaper than `match` on class patterns.
-_INDEX: dict[type[Stmt], Callable[[Definition, Any, bool], None]] = {
-    Section: Definition._section,
-    Step: Definition._step,
-    _Branching: Definition._branching,
-    If: Definition._branching,
-    Switch: Definition._branching,
-    For: Definition._for,
-    Wait: Definition._wait,
-    WaitFor: Definition._wait_for,
-    Go: Definition._go,
-    Break: Definition._jump,
-    Continue: Definition._jump,
-    Return: Definition._return,
-}
-
-
-def dispatch_entry(table: dict[type[Stmt], _F], stmt: Stmt) -> _F:
-    """Return `table`'s entry for a subclass of a known statement type, and remember it."""
-    for base in type(stmt).__mro__:
-        if base in table:
-            table[type(stmt)] = table[base]
-            return table[base]
-    raise UnknownStatement(f"not a statement: {stmt!r}")
-
-
-def validate(section: Section) -> None:
-    """Raise ValidationError if the definition is not well formed (e.g. duplicate names)."""
-    Definition(section)

@@ -3,91 +3,53 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import sqlite3
 import time
-import types
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import Any
 
 import anyio
 import msgspec
 import structlog
 from structlog.contextvars import bound_contextvars
 
-from daemon.core.engine import Definition, handle_callback, release_waits, resume
-from daemon.core.handler import CallbackRequest
-from daemon.core.state import FINAL_STATUSES, CheckpointType, EventStatus, State, WorkflowStatus
+from daemon.clock import Clock
+from daemon.core.definition import Definition
+from daemon.core.engine import handle_callback, resume, teardown_ended
+from daemon.core.state import FINAL_STATUSES, CheckpointType, EventStatus, WorkflowStatus
 from daemon.core.statements import NonRetryableError, Retry, Step
 from daemon.core.workflow import Workflow
 from daemon.errors import CallbackNotFound, HandlerRejected, StepFailed, Unavailable, WorkflowError
-from daemon.runtime.janitor import teardown_ended
-
-if TYPE_CHECKING:
-    from daemon.runtime.runtime import Runtime
+from daemon.runtime.arming import Arms
+from daemon.runtime.cache import Cache, Loaded
+from daemon.runtime.settings import Settings
+from daemon.runtime.steps import run_step
+from daemon.runtime.work import Item, Reply
+from daemon.store.base import Store
 
 log = structlog.get_logger()
 _DURABLE = (CheckpointType.AFTER_STEP, CheckpointType.AFTER_CONDITION)
 _BROKEN = (EventStatus.SETUP_ERROR, EventStatus.TEARDOWN_ERROR)
-_PLAIN_CALLABLES = (types.FunctionType, types.MethodType)
 
 
-@dataclass(slots=True)
-class Loaded:
-    """A workflow in memory: its data, its state and its retry bookkeeping."""
-
-    wf: Workflow
-    state: State
-    attempt: int = 0
-    error: str | None = None
-    next_run_at: float | None = None
-
-
-class Reply:
-    """The answer to one queued request, awaited by whoever queued it."""
-
-    def __init__(self) -> None:
-        self._done = asyncio.Event()  # see Actor.wake
-        self._value: Any = None
-        self._error: BaseException | None = None
-
-    def set(self, value: Any) -> None:
-        """Answer with a value."""
-        self._value = value
-        self._done.set()
-
-    def fail(self, error: BaseException) -> None:
-        """Answer with an error."""
-        self._error = error
-        self._done.set()
-
-    async def wait(self) -> Any:
-        """Return the answer, or raise its error."""
-        await self._done.wait()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
-@dataclass(slots=True)
-class Item:
-    """Work for an actor: "resume", "callback" or "cancel"."""
-
-    kind: str
-    req: CallbackRequest | None = None
-    input: Any = None
-    reply: Reply | None = None
-    inbox_id: int | None = None
-
-
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class Actor:
-    """Drains one workflow's queue, then exits; waiting workflows have no actor."""
+    """Drains one workflow's queue, then exits; waiting workflows have no actor.
 
-    rt: Runtime
+    It gets the parts it uses, and nothing else: it never sees the runtime.
+    """
+
     workflow_id: str
+    store: Store
+    cache: Cache
+    arms: Arms
+    clock: Clock
+    settings: Settings
+    limiter: anyio.CapacityLimiter
+    #: Called when an ended workflow kept a wait whose teardown failed (the janitor retries it).
+    on_leftover: Callable[[], None]
     items: deque[Item] = field(default_factory=deque)
     # asyncio's events, not anyio's: actors come and go once per resume, and anyio looks its
     # backend up on every Event it makes (the daemon runs on asyncio only).
@@ -124,7 +86,7 @@ class Actor:
         """Process queued items and resume the workflow until it blocks."""
         with bound_contextvars(workflow_id=self.workflow_id):
             try:
-                loaded = await self.rt.load(self.workflow_id)
+                loaded = await self.cache.load(self.workflow_id)
             except WorkflowError as e:
                 self._reject_all(e)
                 return
@@ -145,7 +107,7 @@ class Actor:
                 self._reject_all(CallbackNotFound(f"workflow {self.workflow_id} is {status}"))
                 return
             if status is WorkflowStatus.RESUMING or loaded.next_run_at is not None:
-                if loaded.next_run_at is not None and loaded.next_run_at > self.rt.clock.now():
+                if loaded.next_run_at is not None and loaded.next_run_at > self.clock.now():
                     await self._sleep_until(loaded.next_run_at)
                     continue
                 loaded = await self._guard(self._advance, loaded)
@@ -156,14 +118,14 @@ class Actor:
             if item.kind == "callback":
                 loaded = await self._guard(self._callback, loaded, item)
             elif item.kind == "resume":
-                loaded.next_run_at = self.rt.clock.now()  # resume once (e.g. to retry a setup)
+                loaded.next_run_at = self.clock.now()  # resume once (e.g. to retry a setup)
 
     async def _guard(self, fn: Any, loaded: Loaded, *args: Any) -> Loaded:
         """Run one unit of work; an I/O failure reloads the durable state and backs off."""
         try:
             await fn(loaded, *args)
             self._io_failures = 0
-            return self.rt.cache.get(self.workflow_id, loaded)
+            return self.cache.get(self.workflow_id) or loaded
         except Exception as e:  # noqa: BLE001 - e.g. disk full: never crash, back off and retry
             self._io_failures += 1
             delay = self._backoff(self._io_failures, None)
@@ -176,24 +138,24 @@ class Actor:
             self._reject_waiting(
                 Unavailable(f"cannot save workflow state: {type(e).__name__}: {e}")
             )
-            self.rt.forget(self.workflow_id)
+            self.cache.forget(self.workflow_id)
             self._history.clear()
             self._inbox_done.clear()
-            await self._sleep_until(self.rt.clock.now() + delay)
-            fresh = await self.rt.load(self.workflow_id)
+            await self._sleep_until(self.clock.now() + delay)
+            fresh = await self.cache.load(self.workflow_id)
             if fresh.state.status is not WorkflowStatus.RESUMING:
-                fresh.next_run_at = self.rt.clock.now()  # resume once to finish setup
-            self.rt.rearm(fresh)
+                fresh.next_run_at = self.clock.now()  # resume once to finish setup
+            self.arms.rearm(fresh.wf, fresh.state)
             return fresh
 
     async def _sleep_until(self, deadline: float) -> None:
         with anyio.CancelScope() as self._scope:
             self._interruptible = True
-            await self.rt.clock.sleep_until(deadline)
+            await self.clock.sleep_until(deadline)
         self._scope, self._interruptible = None, False
 
     async def _save(self, loaded: Loaded) -> None:
-        await self.rt.store.checkpoint(
+        await self.store.checkpoint(
             self.workflow_id,
             status=loaded.state.status.value,
             data=loaded.wf.to_json(),
@@ -236,56 +198,26 @@ class Actor:
         if broken and loaded.state.status not in FINAL_STATUSES:
             loaded.attempt += 1
             delay = self._backoff(loaded.attempt, None)
-            loaded.error, loaded.next_run_at = "; ".join(broken), self.rt.clock.now() + delay
+            loaded.error, loaded.next_run_at = "; ".join(broken), self.clock.now() + delay
             log.warning("handler_failed", error=loaded.error, retry_in_s=delay)
         else:
             loaded.attempt, loaded.error = 0, None
         await self._save(loaded)
-        self.rt.rearm(loaded)
+        self.arms.rearm(loaded.wf, loaded.state)
         if loaded.state.status is WorkflowStatus.FINISHED:
             log.info("workflow_finished")
             if loaded.state.threads:  # a wait whose teardown failed: retried by the janitor
-                self.rt.janitor.wake()
+                self.on_leftover()
 
     async def _run_step(self, step: Step) -> None:
         self.running_step = (step.name, time.monotonic())
-        started = time.perf_counter()
         try:
-            if _is_async(step.action):
-                with anyio.fail_after(step.timeout) if step.timeout else _nullcontext():
-                    await step.action()
-            else:
-                result = await self._run_sync(step)
-                if inspect.isawaitable(result):
-                    with anyio.fail_after(step.timeout) if step.timeout else _nullcontext():
-                        await result
+            await run_step(step, limiter=self.limiter, note=self._note)
         finally:
             self.running_step = None
-        ms = round((time.perf_counter() - started) * 1000, 3)
-        log.info("step_done", step=step.name, duration_ms=ms)
-        self._history.append(("step_done", {"step": step.name, "duration_ms": ms}))
 
-    async def _run_sync(self, step: Step) -> object:
-        """Run a sync action in a worker thread; one that outlives its timeout is reported.
-
-        A thread cannot be cancelled, so a cancel (shutdown, `cancel`) abandons it instead of
-        waiting for it: a hung step must not hang the daemon. Its result is dropped and the
-        step runs again after a restart, as for a crash.
-        """
-        run = anyio.to_thread.run_sync
-        limiter = self.rt.limiter
-        if step.timeout is None:
-            return await run(step.action, limiter=limiter, abandon_on_cancel=True)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._report_slow, step.name, step.timeout)
-            result = await run(step.action, limiter=limiter, abandon_on_cancel=True)
-            tg.cancel_scope.cancel()
-        return result
-
-    async def _report_slow(self, step: str, after_s: float) -> None:
-        await anyio.sleep(after_s)
-        log.warning("step_slow", step=step, timeout_s=after_s, note="sync: cannot be cancelled")
-        self._history.append(("step_slow", {"step": step, "timeout_s": after_s}))
+    def _note(self, kind: str, detail: dict[str, Any]) -> None:
+        self._history.append((kind, detail))
 
     async def _step_failed(self, loaded: Loaded, e: StepFailed) -> None:
         step = Definition(loaded.wf.definition()).steps.get(e.step)
@@ -295,7 +227,7 @@ class Actor:
         limit = (
             policy.max_attempts
             if policy.max_attempts is not None
-            else self.rt.settings.retry_max_attempts
+            else self.settings.retry_max_attempts
         )
         fatal = isinstance(e.cause, (NonRetryableError, *policy.non_retryable))
         detail = {"step": e.step, "error": str(e), "attempt": attempt}
@@ -306,9 +238,9 @@ class Actor:
             return
         delay = self._backoff(attempt, policy)
         fresh.attempt, fresh.error = attempt, str(e)
-        fresh.next_run_at = self.rt.clock.now() + delay
+        fresh.next_run_at = self.clock.now() + delay
         log.warning("step_failed", step=e.step, error=str(e), attempt=attempt, retry_in_s=delay)
-        await self.rt.store.set_status(
+        await self.store.set_status(
             self.workflow_id,
             status=fresh.state.status.value,
             error=fresh.error,
@@ -318,25 +250,22 @@ class Actor:
         )
 
     def _backoff(self, attempt: int, policy: Retry | None) -> float:
-        s = self.rt.settings
-        initial = policy.initial_s if policy and policy.initial_s is not None else s.retry_initial_s
-        cap = policy.max_s if policy and policy.max_s is not None else s.retry_max_s
-        return float(min(initial * 2 ** max(0, attempt - 1), cap))
+        if policy is None:
+            return self.settings.backoff(attempt)
+        return self.settings.backoff(attempt, policy.initial_s, policy.max_s)
 
     async def _reload(self) -> Loaded:
-        self.rt.forget(self.workflow_id)
-        return await self.rt.load(self.workflow_id)
+        return await self.cache.reload(self.workflow_id)
 
     async def _end(self, loaded: Loaded, status: WorkflowStatus, error: str | None) -> None:
         """Finish a workflow as failed or cancelled, tearing down every wait."""
         loaded.state.status, loaded.error, loaded.next_run_at = status, error, None
-        self.rt.arms.disarm_workflow(self.workflow_id)
-        release_waits(loaded.state)
+        self.arms.disarm_workflow(self.workflow_id)
         left = await teardown_ended(loaded.wf, loaded.state)
         self._history.append((status.value.lower(), {"error": error}))
         await self._save(loaded)
         if left:
-            self.rt.janitor.wake()
+            self.on_leftover()
 
     async def _fail(self, loaded: Loaded, error: str) -> None:
         await self._end(loaded, WorkflowStatus.FAILED, error)
@@ -376,7 +305,7 @@ class Actor:
             self._inbox_done.append(item.inbox_id)
         self._history.append(("callback_received", {"event": event}))
         log.info("callback_received", event_name=event, thread=item.req.thread_id or None)
-        self.rt.rearm(loaded)
+        self.arms.rearm(loaded.wf, loaded.state)
         try:
             await self._save(loaded)
         except Exception as e:
@@ -413,20 +342,3 @@ def _check_fits(wf: Workflow) -> None:
         type(wf).from_json(wf.to_json())
     except (msgspec.MsgspecError, TypeError, ValueError) as e:
         raise HandlerRejected(f"the input does not fit {type(wf).__name__}'s fields: {e}") from e
-
-
-def _is_async(fn: Any) -> TypeGuard[Callable[[], Awaitable[Any]]]:
-    """Tell whether `fn` is an async function, as inspect.iscoroutinefunction does, but faster."""
-    # A plain function or bound method (nearly every step) needs no trip through inspect.
-    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-    if code is not None and type(fn) in _PLAIN_CALLABLES:
-        return bool(code.co_flags & inspect.CO_COROUTINE)
-    return inspect.iscoroutinefunction(fn)
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

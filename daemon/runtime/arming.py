@@ -12,7 +12,10 @@ import anyio.abc
 import structlog
 
 from daemon.clock import Clock
+from daemon.core.definition import Definition
+from daemon.core.engine import Definable
 from daemon.core.handler import CallbackRequest, Deliver, Handler
+from daemon.core.state import FINAL_STATUSES, EventStatus, State
 
 log = structlog.get_logger()
 
@@ -58,6 +61,25 @@ class Arms:
         for key, (req, handler) in wanted.items():
             if key not in self._timers and key not in self._listeners:
                 self._arm(key, req, handler)
+
+    def rearm(self, wf: Definable, state: State) -> None:
+        """Make the armed waits of a workflow match its state."""
+        wanted = {}
+        armed = [
+            (t.id, ev.req)
+            for t in state.threads
+            for ev in t.wait_events
+            if ev.status is EventStatus.SETUP
+        ]
+        # Building the definition is the costly part; a workflow that just took a callback
+        # usually has nothing set up, so skip it then.
+        if armed and state.status not in FINAL_STATUSES:
+            events = Definition(wf.definition()).events
+            for thread_id, req in armed:
+                on = events.get(req.name)
+                if on is not None:
+                    wanted[(state.id, thread_id, req.name, req.pc)] = (req, on.handler)
+        self.sync(state.id, wanted)
 
     def _arm(self, key: Key, req: CallbackRequest, handler: Handler) -> None:
         deadline_of = getattr(handler, "deadline", None)

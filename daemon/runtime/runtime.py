@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
@@ -17,43 +16,20 @@ import msgspec
 import structlog
 
 from daemon.clock import Clock, get_clock, use_clock
-from daemon.core.engine import Definition
 from daemon.core.handler import CallbackRequest
-from daemon.core.lint import log_findings
+from daemon.core.lint import Finding, lint_workflow
 from daemon.core.state import FINAL_STATUSES, EventStatus, State, WorkflowStatus
-from daemon.core.workflow import Workflow
-from daemon.errors import (
-    CallbackNotFound,
-    Conflict,
-    Unavailable,
-    UnknownWorkflowType,
-    WorkflowError,
-    WorkflowNotFound,
-)
-from daemon.ops import repairs as repair
-from daemon.runtime.actor import Actor, Item, Loaded, Reply
+from daemon.errors import CallbackNotFound, Conflict, Unavailable, WorkflowError, WorkflowNotFound
+from daemon.runtime.actor import Actor
 from daemon.runtime.arming import Arms
+from daemon.runtime.cache import Cache, Loaded, Registry
 from daemon.runtime.janitor import Janitor
-from daemon.store.sqlite import Store, WorkflowRow
+from daemon.runtime.scheduler import Hold, Scheduler
+from daemon.runtime.settings import Settings
+from daemon.runtime.work import Item, Reply
+from daemon.store.base import Store, WorkflowRow
 
 log = structlog.get_logger()
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """The runtime's tunables (the `[runtime]` section of the config)."""
-
-    max_concurrent_steps: int = 64
-    retry_initial_s: float = 1.0
-    retry_max_s: float = 300.0
-    #: 0 retries forever.
-    retry_max_attempts: int = 0
-    #: Workflows kept loaded in memory after their actor went idle.
-    cache_size: int = 10_000
-    #: Start with every workflow held (`workflowd --hold`) until released.
-    hold: bool = False
-    #: What `gc` keeps by default (`[store] keep_finished_days`; 0: retention off).
-    keep_finished_days: float = 30.0
 
 
 class LogSource(Protocol):
@@ -82,36 +58,56 @@ async def _replay(
 
 
 class Runtime:
-    """Runs every workflow of one store; the control socket calls its public methods."""
+    """Runs every workflow of one store; the control socket calls its public methods.
+
+    Its parts (`cache`, `scheduler`, `arms`, `janitor`) are public for the composition root,
+    which hands them to the operator's tools; no part is given the runtime itself.
+    """
 
     def __init__(
         self,
         store: Store,
-        registry: dict[str, type[Workflow]],
+        registry: Registry,
         settings: Settings,
         tg: anyio.abc.TaskGroup,
         clock: Clock,
         logs: LogSource | None = None,
     ) -> None:
-        self.store, self.registry, self.settings, self.clock = store, registry, settings, clock
-        self.tg = tg
-        self.logs = logs
+        self.store, self.settings, self.clock, self.logs = store, settings, clock, logs
         self.limiter = anyio.CapacityLimiter(settings.max_concurrent_steps)
+        self.cache = Cache(store, registry, settings.cache_size, pinned=self._running)
+        self.scheduler = Scheduler(
+            tg, cache=self.cache, hold=Hold(settings.hold), new_actor=self._new_actor
+        )
         self.arms = Arms(tg, clock, self._submit_callback)
-        self.actors: dict[str, Actor] = {}
-        self.cache: OrderedDict[str, Loaded] = OrderedDict()
-        self.stopping = False
-        self.hold = repair.Hold(settings.hold)
-        self.janitor = Janitor(self)
-        self._idle = anyio.Event()
-        self._idle.set()
+        hold = self.scheduler.hold
+        self.janitor = Janitor(
+            store=store,
+            cache=self.cache,
+            skip=lambda wid: self.scheduler.running(wid) or hold.holds(wid),
+        )
+
+    def _running(self, workflow_id: str) -> bool:
+        return self.scheduler.running(workflow_id)
+
+    def _new_actor(self, workflow_id: str) -> Actor:
+        return Actor(
+            workflow_id=workflow_id,
+            store=self.store,
+            cache=self.cache,
+            arms=self.arms,
+            clock=self.clock,
+            settings=self.settings,
+            limiter=self.limiter,
+            on_leftover=self.janitor.wake,
+        )
 
     @classmethod
     @asynccontextmanager
     async def open(
         cls,
         store: Store,
-        registry: dict[str, type[Workflow]],
+        registry: Registry,
         settings: Settings | None = None,
         *,
         clock: Clock | None = None,
@@ -129,119 +125,39 @@ class Runtime:
                 log_findings(registry)
                 yield rt
             finally:
-                rt.stopping = True
+                rt.scheduler.stopping = True
                 tg.cancel_scope.cancel()
+
+    def configure(self, registry: Registry, settings: Settings) -> None:
+        """Use new workflow classes and tunables from now on (a reload); checks the new code."""
+        self.cache.registry = registry
+        self.settings = dataclasses.replace(settings, cache_size=self.settings.cache_size)
+        self.limiter.total_tokens = settings.max_concurrent_steps
+        log_findings(registry)
 
     # -- scheduling -------------------------------------------------------------------------
 
-    def submit(self, workflow_id: str, item: Item) -> None:
-        """Queue work for a workflow, starting its actor if it has none."""
-        if self.hold.park(workflow_id, item):
-            return
-        actor = self.actors.get(workflow_id)
-        if actor is None:
-            actor = self.actors[workflow_id] = Actor(self, workflow_id)
-            self._idle = anyio.Event()
-            self.tg.start_soon(self._run_actor, actor)
-        actor.items.append(item)
-        actor.wake.set()
-
-    async def _run_actor(self, actor: Actor) -> None:
-        try:
-            await actor.run()
-        finally:
-            del self.actors[actor.workflow_id]
-            actor.done.set()
-            if not self.actors:
-                self._idle.set()
-
     async def wait_idle(self) -> None:
         """Return once no workflow has work in progress (used by tests and shutdown)."""
-        while self.actors:
-            await self._idle.wait()
+        await self.scheduler.wait_idle()
 
     async def drain(self, grace_s: float) -> bool:
         """Stop taking work and wait up to `grace_s` for running steps; True if all finished."""
-        self.stopping = True
-        for actor in list(self.actors.values()):
-            actor.stop_after_current()
-        with anyio.move_on_after(grace_s):
-            await self.wait_idle()
-            return True
-        return False
+        return await self.scheduler.drain(grace_s)
 
     async def _submit_callback(self, req: CallbackRequest, input: Any, wait: bool) -> Any:
         reply = Reply()
         item = Item("callback", req=req, input=input, reply=reply if wait else None)
-        if self.stopping:
+        if self.scheduler.stopping:
             if not wait:
                 return None  # a timer due now is still armed in the store: it fires after restart
             raise Unavailable("workflowd is shutting down")
-        self.submit(req.workflow_id, item)
+        self.scheduler.submit(req.workflow_id, item)
         if wait:
             return await reply.wait()
         return None
 
-    # -- loading ----------------------------------------------------------------------------
-
-    async def load(self, workflow_id: str) -> Loaded:
-        """Return the workflow from the cache, or load it from the store."""
-        loaded = self.cache.get(workflow_id)
-        if loaded is not None:
-            self.cache.move_to_end(workflow_id)
-            return loaded
-        row = await self.store.get(workflow_id)
-        if row is None:
-            raise WorkflowNotFound(f"no workflow {workflow_id!r}")
-        loaded = self.decode(row)
-        self.remember(loaded)
-        return loaded
-
-    def decode(self, row: WorkflowRow) -> Loaded:
-        """Turn a stored row into a live workflow; a corrupt row raises WorkflowError."""
-        cls = self.registry.get(row.name)
-        if cls is None:
-            raise UnknownWorkflowType(f"workflow type {row.name!r} is not registered")
-        try:
-            wf = cls.from_json(row.data)
-            state = State.from_json(row.state)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise WorkflowError(f"corrupt row {row.id}: {e}") from e
-        return Loaded(wf, state, attempt=row.attempt, error=row.error, next_run_at=row.next_run_at)
-
-    def remember(self, loaded: Loaded) -> None:
-        """Put a workflow in the bounded cache."""
-        self.cache[loaded.state.id] = loaded
-        self.cache.move_to_end(loaded.state.id)
-        while len(self.cache) > self.settings.cache_size:
-            oldest = next(iter(self.cache))
-            if oldest in self.actors:
-                break
-            del self.cache[oldest]
-
-    def forget(self, workflow_id: str) -> None:
-        """Drop a workflow from the cache so the next load reads the store."""
-        self.cache.pop(workflow_id, None)
-
-    def rearm(self, loaded: Loaded) -> None:
-        """Make the armed waits of a workflow match its state."""
-        state = loaded.state
-        wanted = {}
-        armed = [
-            (t.id, ev.req)
-            for t in state.threads
-            for ev in t.wait_events
-            if ev.status is EventStatus.SETUP
-        ]
-        # Building the definition is the costly part; a workflow that just took a callback
-        # usually has nothing set up, so skip it then.
-        if armed and state.status not in FINAL_STATUSES:
-            events = Definition(loaded.wf.definition()).events
-            for thread_id, req in armed:
-                on = events.get(req.name)
-                if on is not None:
-                    wanted[(state.id, thread_id, req.name, req.pc)] = (req, on.handler)
-        self.arms.sync(state.id, wanted)
+    # -- recovery ---------------------------------------------------------------------------
 
     async def recover(self) -> None:
         """Pick up every unfinished workflow: resume runnable ones, re-arm waiting ones."""
@@ -250,7 +166,7 @@ class Runtime:
             counts[await self.recover_one(row)] += 1
         for pending in await self.store.inbox_pending():
             req = CallbackRequest(pending.workflow_id, pending.thread_id, pending.event, pending.pc)
-            self.submit(
+            self.scheduler.submit(
                 pending.workflow_id,
                 Item("callback", req=req, input=pending.input, inbox_id=pending.id),
             )
@@ -258,10 +174,10 @@ class Runtime:
 
     async def recover_one(self, row: WorkflowRow) -> str:
         """Resume or re-arm one unfinished workflow; return which (or "broken", "held")."""
-        if self.hold.holds(row.id):
+        if self.scheduler.hold.holds(row.id):
             return "held"
         try:
-            loaded = self.decode(row)
+            loaded = self.cache.decode(row)
         except WorkflowError as e:
             log.error("workflow_corrupt", workflow_id=row.id, workflow=row.name, error=str(e))
             await self.store.set_status(row.id, status=row.status, error=str(e))
@@ -271,11 +187,11 @@ class Runtime:
             ev.status is not EventStatus.SETUP for t in state.threads for ev in t.wait_events
         )
         if state.status is WorkflowStatus.RESUMING or needs_setup:
-            self.remember(loaded)
-            self.submit(row.id, Item("resume"))
+            self.cache.remember(loaded)
+            self.scheduler.submit(row.id, Item("resume"))
             return "resumed"
         try:
-            self.rearm(loaded)
+            self.arms.rearm(loaded.wf, loaded.state)
         except Exception as e:  # noqa: BLE001 - one bad definition must not stop recovery
             log.error("workflow_rearm_failed", workflow_id=row.id, error=str(e))
             return "broken"
@@ -288,10 +204,7 @@ class Runtime:
     ) -> dict[str, Any]:
         """Create a workflow and schedule it; starting an existing id returns it unchanged."""
         self._check_open()
-        cls = self.registry.get(workflow)
-        if cls is None:
-            known = ", ".join(sorted(self.registry)) or "none"
-            raise UnknownWorkflowType(f"no workflow type {workflow!r} (known: {known})")
+        cls = self.cache.workflow_type(workflow)
         wid = workflow_id or uuid.uuid4().hex
         wf = cls.from_input(input)
         state = State.new(wid, workflow)
@@ -315,8 +228,8 @@ class Runtime:
                 )
             return {"workflow_id": wid, "status": existing.status, "created": False}
         log.info("workflow_started", workflow_id=wid, workflow=workflow)
-        self.remember(Loaded(wf, state))
-        self.submit(wid, Item("resume"))
+        self.cache.remember(Loaded(wf, state))
+        self.scheduler.submit(wid, Item("resume"))
         return {"workflow_id": wid, "status": state.status.value, "created": True}
 
     async def send(
@@ -331,12 +244,12 @@ class Runtime:
     ) -> Any:
         """Deliver an event; returns the handler's output once it is durable."""
         self._check_open()
-        loaded = await self.load(workflow_id)
+        loaded = await self.cache.load(workflow_id)
         if loaded.state.status in FINAL_STATUSES:
             raise CallbackNotFound(f"workflow {workflow_id} is {loaded.state.status}")
         req = CallbackRequest(workflow_id, thread_id or "", event, pc or 0)
         if wait:
-            if self.hold.holds(workflow_id):
+            if self.scheduler.hold.holds(workflow_id):
                 raise Unavailable(
                     f"workflow {workflow_id} is held: resume it, or send with no wait"
                 )
@@ -344,18 +257,20 @@ class Runtime:
         inbox_id = await self.store.inbox_put(
             workflow_id, event, input, thread_id=thread_id or "", pc=pc or 0
         )
-        self.submit(workflow_id, Item("callback", req=req, input=input, inbox_id=inbox_id))
+        self.scheduler.submit(
+            workflow_id, Item("callback", req=req, input=input, inbox_id=inbox_id)
+        )
         return {"queued": True}
 
     async def cancel(self, workflow_id: str) -> dict[str, Any]:
         """Cancel a workflow: tear down its waits and stop a running step."""
         self._check_open()
-        loaded = await self.load(workflow_id)
+        loaded = await self.cache.load(workflow_id)
         if loaded.state.status in FINAL_STATUSES:
             return {"workflow_id": workflow_id, "status": loaded.state.status.value}
         reply = Reply()
-        self.submit(workflow_id, Item("cancel", reply=reply))
-        actor = self.actors.get(workflow_id)  # none while a repair holds the workflow off
+        self.scheduler.submit(workflow_id, Item("cancel", reply=reply))
+        actor = self.scheduler.actor(workflow_id)  # none while a repair holds the workflow off
         if actor is not None:
             actor.interrupt()
         await reply.wait()
@@ -382,11 +297,11 @@ class Runtime:
             next_run_at=row.next_run_at,
             created_at=row.created_at,
         )
-        actor = self.actors.get(workflow_id)
+        actor = self.scheduler.actor(workflow_id)
         if actor is not None and actor.running_step is not None:
             step, since = actor.running_step
             out["running_step"] = {"step": step, "for_s": round(time.monotonic() - since, 3)}
-        if self.hold.holds(workflow_id):
+        if self.scheduler.hold.holds(workflow_id):
             out["held"] = True
         return out
 
@@ -405,7 +320,7 @@ class Runtime:
 
     def busy(self) -> int:
         """Count the workflows with a step, callback or resume in flight (not a retry backoff)."""
-        return sum(1 for actor in self.actors.values() if actor.busy)
+        return self.scheduler.busy()
 
     def subscribe_logs(
         self, workflow_id: str | None = None, *, follow: bool = True
@@ -421,50 +336,8 @@ class Runtime:
         """Delete finished, failed and cancelled workflows older than `keep_days`."""
         return await self.store.delete_finished(self.clock.now() - keep_days * 86400)
 
-    # -- the operator's tools (daemon/repair.py) --------------------------------------------
-
-    async def graph(self, workflow: str, workflow_id: str | None, format: str) -> str:
-        """Draw a workflow type's definition; with an id, where that workflow is."""
-        return await repair.graph(self, workflow, workflow_id, format)
-
-    async def lint(self, workflow: str) -> builtins.list[dict[str, Any]]:
-        """Check a workflow type's definition."""
-        return repair.lint(self, workflow)
-
-    async def goto(
-        self, workflow_id: str, thread_id: str, statement: str, *, who: int | None = None
-    ) -> dict[str, Any]:
-        """Move a thread of a waiting or failed workflow to a statement and resume it."""
-        return await repair.goto(self, workflow_id, thread_id, statement, who)
-
-    async def edit(
-        self, workflow_id: str, values: dict[str, Any], *, who: int | None = None
-    ) -> dict[str, Any]:
-        """Change data fields of a waiting or failed workflow."""
-        return await repair.edit(self, workflow_id, values, who)
-
-    async def undo(self, workflow_id: str, *, who: int | None = None) -> dict[str, Any]:
-        """Revert the last goto or edit."""
-        return await repair.undo(self, workflow_id, who)
-
-    async def retry(self, workflow_id: str, *, who: int | None = None) -> dict[str, Any]:
-        """Resume a failed workflow from its failing step."""
-        return await repair.retry(self, workflow_id, who)
-
-    async def release(self, workflow_id: str) -> dict[str, Any]:
-        """Let one held workflow run."""
-        return await repair.release(self, workflow_id)
-
-    async def release_all(self) -> dict[str, Any]:
-        """End the hold: every held workflow runs."""
-        return await repair.release_all(self)
-
-    async def collect_garbage(self, keep_days: float | None = None) -> dict[str, Any]:
-        """Run the retention now."""
-        return await repair.collect_garbage(self, keep_days)
-
     def _check_open(self) -> None:
-        if self.stopping:
+        if self.scheduler.stopping:
             raise Unavailable("workflowd is shutting down")
 
     def _summary(self, row: WorkflowRow) -> dict[str, Any]:
@@ -494,3 +367,20 @@ def _json_or_text(text: str) -> Any:
         return msgspec.json.decode(text)
     except msgspec.DecodeError:
         return text
+
+
+def log_findings(registry: Registry) -> int:
+    """Log the definition checks of every registered workflow type; return how many."""
+    count = 0
+    for name, cls in sorted(registry.items()):
+        try:
+            findings = lint_workflow(cls)
+        except Exception as e:  # noqa: BLE001 - checking must never stop the daemon
+            findings = [Finding("error", "invalid", "", f"{type(e).__name__}: {e}")]
+        for f in findings:
+            count += 1
+            emit = log.error if f.level == "error" else log.warning
+            emit(
+                f"lint_{f.level}", workflow=name, code=f.code, statement=f.statement, note=f.message
+            )
+    return count

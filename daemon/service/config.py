@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import grp
-import importlib
 import math
 import os
 import re
-import sys
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from daemon.errors import ConfigError
@@ -246,18 +243,3 @@ def _path(value: Any, base: Path) -> Path:
         # systemd joins several directories with ":"; the first is the one named first.
         return Path(root.split(":")[0]) / rest
     return Path(os.path.normpath(base / value))
-
-
-def import_workflow_modules(cfg: Config) -> list[ModuleType]:
-    """Put [workflows] paths on sys.path and import every listed module."""
-    for p in reversed(cfg.workflows.paths):
-        if str(p) not in sys.path:
-            sys.path.insert(0, str(p))
-    modules = []
-    for name in cfg.workflows.modules:
-        try:
-            modules.append(importlib.import_module(name))
-        except Exception as e:  # any error in user code is a config problem here
-            reason = " ".join(f"{type(e).__name__}: {e}".split())
-            raise ConfigError(f"[workflows] modules: cannot import {name!r}: {reason}") from e
-    return modules

@@ -7,7 +7,6 @@ import fcntl
 import os
 import sqlite3
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +14,10 @@ import aiosqlite
 import anyio
 import msgspec
 
+from daemon.core.state import FINAL_STATUSES
 from daemon.errors import BadRequest, ConfigError, Conflict, StoreLocked
 
-FINAL = ("Finished", "Failed", "Cancelled")
+FINAL = tuple(sorted(s.value for s in FINAL_STATUSES))
 SYNCHRONOUS = {"normal": "NORMAL", "full": "FULL"}
 COLS = "id, name, status, data, state, error, attempt, next_run_at, created_at, updated_at"
 FINAL_ROWS = "status IN (?, ?, ?) AND updated_at < ?"
@@ -65,7 +65,6 @@ INSERT_HISTORY = "INSERT INTO history (workflow_id, seq, at, kind, detail) VALUE
 TRIM_HISTORY = "DELETE FROM history WHERE workflow_id = ? AND seq <= ?"
 
 _encoder = msgspec.json.Encoder()
-History = Sequence[tuple[str, dict[str, Any]]]
 Entries = Sequence[tuple[float, str, str]]
 
 
@@ -80,46 +79,6 @@ def detail_of(text: str) -> dict[str, Any]:
     except msgspec.DecodeError as e:
         return {"corrupt": text, "error": str(e)}
     return detail if isinstance(detail, dict) else {"value": detail}
-
-
-@dataclass(slots=True)
-class WorkflowRow:
-    """One workflow as stored: its data and engine state as JSON text."""
-
-    id: str
-    name: str
-    status: str
-    data: str
-    state: str
-    error: str | None = None
-    attempt: int = 0
-    next_run_at: float | None = None
-    created_at: float = 0.0
-    updated_at: float = 0.0
-
-
-@dataclass(slots=True)
-class HistoryRow:
-    """One entry of a workflow's history."""
-
-    id: int
-    workflow_id: str
-    at: float
-    kind: str
-    detail: dict[str, Any]
-
-
-@dataclass(slots=True)
-class InboxRow:
-    """A callback that was acknowledged but not yet applied to its workflow."""
-
-    id: int
-    workflow_id: str
-    event: str
-    thread_id: str
-    pc: int
-    input: Any
-    created_at: float
 
 
 @contextlib.contextmanager

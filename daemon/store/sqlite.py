@@ -22,25 +22,15 @@ from daemon.errors import (
     WorkflowNotFound,
 )
 from daemon.store import schema
-from daemon.store.schema import (
-    FINAL,
-    MIGRATIONS,
-    Entries,
-    History,
-    HistoryRow,
-    InboxRow,
-    WorkflowRow,
-)
+from daemon.store.base import History, HistoryRow, InboxRow, WorkflowRow
+from daemon.store.schema import FINAL, Entries
 from daemon.store.writer import GroupWriter
 
 T = TypeVar("T")
 log = structlog.get_logger(__name__)
 
 
-__all__ = ["FINAL", "MIGRATIONS", "HistoryRow", "InboxRow", "Store", "WorkflowRow"]
-
-
-class Store:
+class SQLiteStore:
     """The daemon's SQLite database; one writer task commits every write in groups."""
 
     def __init__(
@@ -57,7 +47,7 @@ class Store:
     @contextlib.asynccontextmanager
     async def open(
         cls, path: Path | str, *, synchronous: str = "normal", history_keep: int = 1000
-    ) -> AsyncIterator[Store]:
+    ) -> AsyncIterator[SQLiteStore]:
         """Lock, open and migrate the database at `path`; drain and release it on exit."""
         sync = schema.SYNCHRONOUS.get(synchronous)
         if sync is None:

@@ -16,7 +16,7 @@ import anyio
 
 from daemon.core.workflow import Workflow
 from daemon.runtime.runtime import Runtime
-from daemon.store.sqlite import Store
+from daemon.store.sqlite import SQLiteStore
 from tests.harness import Daemon
 
 from .bench_workflows import AsyncSteps, SyncSteps
@@ -45,7 +45,10 @@ Result = tuple[float, float]
 
 async def in_process(db: Path, kind: str, workflows: int, steps: int) -> Result:
     """Start `workflows` workflows together in a fresh in-process runtime; return steps/s."""
-    async with Store.open(db, synchronous="normal") as store, Runtime.open(store, REGISTRY) as rt:
+    async with (
+        SQLiteStore.open(db, synchronous="normal") as store,
+        Runtime.open(store, REGISTRY) as rt,
+    ):
         cpu = time.process_time()
         start = time.perf_counter()
         async with anyio.create_task_group() as tg:

@@ -1,4 +1,4 @@
-"""Store benchmark: durable checkpoints per second, one caller versus many."""
+"""SQLiteStore benchmark: durable checkpoints per second, one caller versus many."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Any
 
 import anyio
 
-from daemon.store.sqlite import Store, WorkflowRow
+from daemon.store.base import WorkflowRow
+from daemon.store.sqlite import SQLiteStore
 
 SEQUENTIAL = 1_000
 CALLERS = 200
@@ -19,13 +20,13 @@ DATA = '{"user":"alice","count":0,"items":["a","b","c"],"note":"' + "x" * 120 + 
 STATE = '{"threads":[{"id":"main","cur_step":"loop","status":"Resuming","wait":[]}],"pc":7}'
 
 
-async def _checkpoint(store: Store, wid: str, n: int) -> None:
+async def _checkpoint(store: SQLiteStore, wid: str, n: int) -> None:
     await store.checkpoint(
         wid, status="Resuming", data=DATA, state=STATE, history=[("step", {"name": f"s{n}"})]
     )
 
 
-async def _sequential(store: Store) -> float:
+async def _sequential(store: SQLiteStore) -> float:
     await store.create(WorkflowRow("seq", "Bench", "Resuming", DATA, STATE))
     start = time.perf_counter()
     for n in range(SEQUENTIAL):
@@ -33,7 +34,7 @@ async def _sequential(store: Store) -> float:
     return SEQUENTIAL / (time.perf_counter() - start)
 
 
-async def _concurrent(store: Store) -> tuple[float, int, int]:
+async def _concurrent(store: SQLiteStore) -> tuple[float, int, int]:
     """Return checkpoints/s and the commits and writes the timed part made."""
     for c in range(CALLERS):
         await store.create(WorkflowRow(f"c{c}", "Bench", "Resuming", DATA, STATE))
@@ -53,9 +54,9 @@ async def _concurrent(store: Store) -> tuple[float, int, int]:
 
 async def bench_group_commit(tmp: Path) -> dict[str, Any]:
     """Measure checkpoints/s for 1 sequential caller and for 200 concurrent callers."""
-    async with Store.open(tmp / "bench_seq.db", synchronous="normal") as store:
+    async with SQLiteStore.open(tmp / "bench_seq.db", synchronous="normal") as store:
         sequential = await _sequential(store)
-    async with Store.open(tmp / "bench_conc.db", synchronous="normal") as store:
+    async with SQLiteStore.open(tmp / "bench_conc.db", synchronous="normal") as store:
         concurrent, commits, writes = await _concurrent(store)
     return {
         "bench": "store_group_commit",

@@ -1,0 +1,135 @@
+"""One client connection as an asyncio transport: buffered lines in, backpressured bytes out."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+
+def _settle(future: asyncio.Future[bool], value: bool) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+class Wire(asyncio.Protocol):
+    """One client connection as an asyncio transport: buffers its bytes and wakes the reader.
+
+    anyio's socket streams register the socket with the selector on every receive that would
+    block; a transport stays registered, which makes a request several times cheaper.
+    """
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport
+        self.data = bytearray()
+        #: The peer half-closed: what is buffered is all there will be.
+        self.eof = False
+        #: The connection is lost (reset, or closed by us): nothing more can be written.
+        self.lost = False
+        self._limit = 1 << 16  # buffered bytes beyond which reading pauses
+        self._paused = False
+        self._readable: asyncio.Future[bool] | None = None
+        self._flushed: asyncio.Future[bool] | None = None
+
+    @classmethod
+    async def adopt(cls, sock: socket.socket) -> Wire:
+        """Wrap an accepted socket (the Wire owns it from now on)."""
+        _, wire = await asyncio.get_running_loop().connect_accepted_socket(cls, sock)
+        # A write waits until its bytes are with the kernel, as a plain socket send would.
+        wire.transport.set_write_buffer_limits(high=0)
+        return wire
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Keep the transport."""
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        """Buffer what arrived; pause reading while too much waits."""
+        self.data += data
+        if len(self.data) > self._limit and not self._paused:
+            self._paused = True
+            self.transport.pause_reading()
+        if self._readable is not None:
+            _settle(self._readable, True)
+
+    def eof_received(self) -> bool:
+        """Note the half-close and keep the connection open for the answers."""
+        self.eof = True
+        if self._readable is not None:
+            _settle(self._readable, True)
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Wake whoever waits to read or write."""
+        self.lost = True
+        for waiter in (self._readable, self._flushed):
+            if waiter is not None:
+                _settle(waiter, True)
+
+    def pause_writing(self) -> None:
+        """Note that written bytes are not all with the kernel yet."""
+        self._flushed = self.loop.create_future()
+
+    def resume_writing(self) -> None:
+        """Wake the writers: everything written is with the kernel."""
+        if self._flushed is not None:
+            _settle(self._flushed, True)
+            self._flushed = None
+
+    def line(self, max_bytes: int) -> bytes | None:
+        """Take the next buffered line (longer than `max_bytes` if it is too long), or None."""
+        data = self.data
+        end = data.find(b"\n", 0, max_bytes + 1)
+        line = None
+        if end >= 0 or len(data) > max_bytes:
+            end = end if end >= 0 else len(data)
+            line = bytes(data[:end])
+            del data[: end + 1]  # cheap: a bytearray drops bytes from its front in place
+        # Room for one whole line, so that a line over the limit is seen before reading pauses.
+        self._limit = max_bytes + (1 << 16)
+        if self._paused and len(data) <= self._limit:
+            self._paused = False
+            self.transport.resume_reading()
+        return line
+
+    def rest(self) -> bytes:
+        """Take whatever is buffered."""
+        rest = bytes(self.data)
+        self.data.clear()
+        return rest
+
+    async def readable(self, idle_s: float) -> bool:
+        """Wait up to `idle_s` seconds for more bytes, EOF or loss; False if none came."""
+        future: asyncio.Future[bool] = self.loop.create_future()
+        self._readable = future
+        # A plain timer: a cancel scope per wait would cost more than the read itself.
+        timer = self.loop.call_later(idle_s, _settle, future, False)
+        try:
+            return await future
+        finally:
+            timer.cancel()
+            self._readable = None
+
+    def write(self, data: bytes) -> bool:
+        """Queue `data` for the peer; False if the connection is closing or gone."""
+        if self.lost or self.transport.is_closing():
+            return False
+        self.transport.write(data)
+        return True
+
+    def is_flushed(self) -> bool:
+        """Tell whether everything written is with the kernel."""
+        return self._flushed is None
+
+    async def flushed(self) -> None:
+        """Wait until everything written is with the kernel (or the connection is lost)."""
+        while (waiter := self._flushed) is not None and not self.lost:
+            await waiter
+
+    def close(self) -> None:
+        """Close the connection, dropping what a peer that stopped reading never took."""
+        if self.transport.get_write_buffer_size():
+            self.transport.abort()  # close() would wait for that peer to read, maybe forever
+        else:
+            self.transport.close()

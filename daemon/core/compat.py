@@ -1,0 +1,46 @@
+"""May a stored workflow run under a (new) class: the check reload, edit and recovery share."""
+
+from __future__ import annotations
+
+from daemon.core.definition import Definition, named
+from daemon.core.state import MAIN_THREAD, State, ThreadStatus
+from daemon.core.workflow import Workflow
+
+Registry = dict[str, type[Workflow]]
+
+#: The statement kind a thread in each status must stop at.
+_KIND_OF_STATUS = {
+    ThreadStatus.EXECUTING: "step",
+    ThreadStatus.WAITING_EVENT: "wait",
+    ThreadStatus.WAITING_CONDITION: "wait_for",
+}
+
+
+def blockers(registry: Registry, name: str, data: str | bytes, state: State) -> list[str]:
+    """Say why a live workflow could not continue under `registry`'s code (empty: it can)."""
+    cls = registry.get(name)
+    if cls is None:
+        return [f"workflow type {name!r} is gone"]
+    try:
+        root = cls.from_json(data).definition()
+        defn = Definition(root)
+    except Exception as e:  # noqa: BLE001 - any failure of the new code blocks it
+        return [f"new code cannot load it: {type(e).__name__}: {e}"]
+    kinds = {n.name: n.kind for n in named(root)}
+    found: list[str] = []
+    for t in state.threads:
+        if t.name != MAIN_THREAD and t.name not in defn.gos:
+            found.append(f"thread {t.id}: Go {t.name!r} is gone")
+        if not t.cur_step:
+            continue
+        want, have = _KIND_OF_STATUS.get(t.status), kinds.get(t.cur_step)
+        if have is None:
+            found.append(f"thread {t.id}: statement {t.cur_step!r} is gone")
+        elif want is not None and have != want:
+            found.append(f"thread {t.id}: {t.cur_step!r} is now a {have}, was a {want}")
+        found += [
+            f"thread {t.id}: event {ev.req.name!r} is gone"
+            for ev in t.wait_events
+            if ev.req.name not in defn.events
+        ]
+    return found

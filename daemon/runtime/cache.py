@@ -1,0 +1,102 @@
+"""The registry of workflow classes and the workflows loaded in memory (a bounded LRU)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import msgspec
+
+from daemon.core.state import State
+from daemon.core.workflow import Workflow
+from daemon.errors import UnknownWorkflowType, WorkflowError, WorkflowNotFound
+from daemon.store.base import Store, WorkflowRow
+
+Registry = dict[str, type[Workflow]]
+
+
+@dataclass(slots=True)
+class Loaded:
+    """A workflow in memory: its data, its state and its retry bookkeeping."""
+
+    wf: Workflow
+    state: State
+    attempt: int = 0
+    error: str | None = None
+    next_run_at: float | None = None
+
+
+class Cache:
+    """Turns stored rows into live workflows and keeps the recently used ones."""
+
+    def __init__(
+        self, store: Store, registry: Registry, size: int, *, pinned: Callable[[str], bool]
+    ) -> None:
+        self._store = store
+        #: The workflow classes by name; a reload replaces it.
+        self.registry = registry
+        self.size = size
+        # A workflow whose actor runs stays cached: the actor reads its object back.
+        self._pinned = pinned
+        self._loaded: OrderedDict[str, Loaded] = OrderedDict()
+
+    def workflow_type(self, name: str) -> type[Workflow]:
+        """Return the registered class called `name`, or raise UnknownWorkflowType."""
+        cls = self.registry.get(name)
+        if cls is None:
+            known = ", ".join(sorted(self.registry)) or "none"
+            raise UnknownWorkflowType(f"no workflow type {name!r} (known: {known})")
+        return cls
+
+    def get(self, workflow_id: str) -> Loaded | None:
+        """Return the cached workflow, or None."""
+        return self._loaded.get(workflow_id)
+
+    def items(self) -> Iterator[tuple[str, Loaded]]:
+        """Yield every cached workflow (a snapshot: the cache may change meanwhile)."""
+        yield from list(self._loaded.items())
+
+    async def load(self, workflow_id: str) -> Loaded:
+        """Return the workflow from the cache, or load it from the store."""
+        loaded = self._loaded.get(workflow_id)
+        if loaded is not None:
+            self._loaded.move_to_end(workflow_id)
+            return loaded
+        row = await self._store.get(workflow_id)
+        if row is None:
+            raise WorkflowNotFound(f"no workflow {workflow_id!r}")
+        loaded = self.decode(row)
+        self.remember(loaded)
+        return loaded
+
+    async def reload(self, workflow_id: str) -> Loaded:
+        """Drop the cached copy and load the durable one."""
+        self.forget(workflow_id)
+        return await self.load(workflow_id)
+
+    def decode(self, row: WorkflowRow) -> Loaded:
+        """Turn a stored row into a live workflow; a corrupt row raises WorkflowError."""
+        cls = self.registry.get(row.name)
+        if cls is None:
+            raise UnknownWorkflowType(f"workflow type {row.name!r} is not registered")
+        try:
+            wf = cls.from_json(row.data)
+            state = State.from_json(row.state)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise WorkflowError(f"corrupt row {row.id}: {e}") from e
+        return Loaded(wf, state, attempt=row.attempt, error=row.error, next_run_at=row.next_run_at)
+
+    def remember(self, loaded: Loaded) -> None:
+        """Put a workflow in the bounded cache."""
+        self._loaded[loaded.state.id] = loaded
+        self._loaded.move_to_end(loaded.state.id)
+        while len(self._loaded) > self.size:
+            oldest = next(iter(self._loaded))
+            if self._pinned(oldest):
+                break
+            del self._loaded[oldest]
+
+    def forget(self, workflow_id: str) -> None:
+        """Drop a workflow from the cache so the next load reads the store."""
+        self._loaded.pop(workflow_id, None)

@@ -1,0 +1,140 @@
+"""One actor per workflow with work queued; holds, and the exclusive access repairs need."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import anyio
+import anyio.abc
+
+from daemon.core.state import WorkflowStatus
+from daemon.errors import Conflict
+from daemon.runtime.actor import Actor
+from daemon.runtime.cache import Cache, Loaded
+from daemon.runtime.work import Item
+
+#: How long `exclusive` waits for a workflow that is taking a callback to block again.
+BUSY_WAIT_S = 5.0
+
+
+class Hold:
+    """Which workflows may not run now; work queued for them is parked until they may."""
+
+    def __init__(self, held: bool) -> None:
+        #: Set by `workflowd --hold` until `resume-all`.
+        self.held = held
+        self.released: set[str] = set()
+        #: Workflows a repair holds off (`Scheduler.exclusive`).
+        self.busy: set[str] = set()
+        self.parked: dict[str, list[Item]] = {}
+
+    def holds(self, workflow_id: str) -> bool:
+        """Tell whether the workflow is held (`workflowd --hold` and not released)."""
+        return self.held and workflow_id not in self.released
+
+    def park(self, workflow_id: str, item: Item) -> bool:
+        """Keep `item` for later if its workflow may not run now; a cancel passes a hold."""
+        if workflow_id in self.busy or (self.holds(workflow_id) and item.kind != "cancel"):
+            self.parked.setdefault(workflow_id, []).append(item)
+            return True
+        return False
+
+
+class Scheduler:
+    """Starts an actor for a workflow when work arrives for it; the actor exits once it blocks."""
+
+    def __init__(
+        self,
+        tg: anyio.abc.TaskGroup,
+        *,
+        cache: Cache,
+        hold: Hold,
+        new_actor: Callable[[str], Actor],
+    ) -> None:
+        self._tg, self._cache, self.hold, self._new_actor = tg, cache, hold, new_actor
+        self._actors: dict[str, Actor] = {}
+        #: Set once shutdown began: no new work is taken.
+        self.stopping = False
+        self._idle = anyio.Event()
+        self._idle.set()
+
+    def submit(self, workflow_id: str, item: Item) -> None:
+        """Queue work for a workflow, starting its actor if it has none."""
+        if self.hold.park(workflow_id, item):
+            return
+        actor = self._actors.get(workflow_id)
+        if actor is None:
+            actor = self._actors[workflow_id] = self._new_actor(workflow_id)
+            self._idle = anyio.Event()
+            self._tg.start_soon(self._run, actor)
+        actor.items.append(item)
+        actor.wake.set()
+
+    def unpark(self, workflow_id: str) -> None:
+        """Submit the work parked for a workflow."""
+        for item in self.hold.parked.pop(workflow_id, []):
+            self.submit(workflow_id, item)
+
+    async def _run(self, actor: Actor) -> None:
+        try:
+            await actor.run()
+        finally:
+            del self._actors[actor.workflow_id]
+            actor.done.set()
+            if not self._actors:
+                self._idle.set()
+
+    def running(self, workflow_id: str) -> bool:
+        """Tell whether the workflow has an actor now."""
+        return workflow_id in self._actors
+
+    def actor(self, workflow_id: str) -> Actor | None:
+        """Return the workflow's actor, if it has one."""
+        return self._actors.get(workflow_id)
+
+    def __len__(self) -> int:
+        return len(self._actors)
+
+    def busy(self) -> int:
+        """Count the workflows with a step, callback or resume in flight (not a retry backoff)."""
+        return sum(1 for actor in self._actors.values() if actor.busy)
+
+    async def wait_idle(self) -> None:
+        """Return once no workflow has work in progress (used by tests and shutdown)."""
+        while self._actors:
+            await self._idle.wait()
+
+    async def drain(self, grace_s: float) -> bool:
+        """Stop taking work and wait up to `grace_s` for running steps; True if all finished."""
+        self.stopping = True
+        for actor in list(self._actors.values()):
+            actor.stop_after_current()
+        with anyio.move_on_after(grace_s):
+            await self.wait_idle()
+            return True
+        return False
+
+    @asynccontextmanager
+    async def exclusive(self, workflow_id: str) -> AsyncIterator[Loaded]:
+        """Keep the workflow's actor and callbacks off it; yield it fresh from the store."""
+        hold = self.hold
+        if workflow_id in hold.busy:
+            raise Conflict(f"workflow {workflow_id} is being changed by another request")
+        hold.busy.add(workflow_id)
+        try:
+            actor = self._actors.get(workflow_id)
+            if actor is not None:
+                # A workflow taking a callback blocks again soon; one running steps may not.
+                c = self._cache.get(workflow_id)
+                if c and c.state.status is not WorkflowStatus.RESUMING and c.next_run_at is None:
+                    with anyio.move_on_after(BUSY_WAIT_S):
+                        await actor.done.wait()
+                if workflow_id in self._actors:
+                    raise Conflict(
+                        f"workflow {workflow_id} is running; wait until it waits or fails"
+                    )
+            yield await self._cache.reload(workflow_id)
+        finally:
+            hold.busy.discard(workflow_id)
+            self.unpark(workflow_id)

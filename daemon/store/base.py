@@ -1,0 +1,142 @@
+"""The Store protocol the runtime depends on, and the rows a store returns.
+
+A backend (SQLite today, PostgreSQL later) implements `Store`; nothing above this layer
+imports a backend's module, except the composition root that opens one.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+#: History entries written with a change: (kind, detail).
+History = Sequence[tuple[str, dict[str, Any]]]
+
+
+@dataclass(slots=True)
+class WorkflowRow:
+    """One workflow as stored: its data and engine state as JSON text."""
+
+    id: str
+    name: str
+    status: str
+    data: str
+    state: str
+    error: str | None = None
+    attempt: int = 0
+    next_run_at: float | None = None
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+
+@dataclass(slots=True)
+class HistoryRow:
+    """One entry of a workflow's history."""
+
+    id: int
+    workflow_id: str
+    at: float
+    kind: str
+    detail: dict[str, Any]
+
+
+@dataclass(slots=True)
+class InboxRow:
+    """A callback that was acknowledged but not yet applied to its workflow."""
+
+    id: int
+    workflow_id: str
+    event: str
+    thread_id: str
+    pc: int
+    input: Any
+    created_at: float
+
+
+class Store(Protocol):
+    """Durable workflows, their history and the inbox of acknowledged callbacks."""
+
+    @property
+    def path(self) -> Path:
+        """Return where the data lives (shown in logs)."""
+        ...
+
+    async def create(self, row: WorkflowRow, history: History = ()) -> bool:
+        """Insert a new workflow; False if the id exists."""
+        ...
+
+    async def checkpoint(
+        self,
+        workflow_id: str,
+        *,
+        status: str,
+        data: str,
+        state: str,
+        error: str | None = None,
+        attempt: int = 0,
+        next_run_at: float | None = None,
+        history: History = (),
+        inbox_done: Sequence[int] = (),
+    ) -> None:
+        """Write a workflow's data and state, its history and its applied inbox items at once."""
+        ...
+
+    async def set_status(
+        self,
+        workflow_id: str,
+        *,
+        status: str,
+        error: str | None = None,
+        attempt: int | None = None,
+        next_run_at: float | None = None,
+        history: History = (),
+    ) -> None:
+        """Change a workflow's status and retry bookkeeping, not its data."""
+        ...
+
+    async def inbox_put(
+        self, workflow_id: str, event: str, input: Any, *, thread_id: str = "", pc: int = 0
+    ) -> int:
+        """Store an acknowledged callback until it is applied; return its id."""
+        ...
+
+    async def delete_finished(self, older_than: float) -> int:
+        """Delete ended workflows last changed before `older_than`; return how many."""
+        ...
+
+    async def get(self, workflow_id: str) -> WorkflowRow | None:
+        """Return one workflow, or None."""
+        ...
+
+    async def list(
+        self, *, status: str | None = None, name: str | None = None, limit: int = 100
+    ) -> builtins.list[WorkflowRow]:
+        """Return workflows, most recently changed first."""
+        ...
+
+    def unfinished(self, *, page: int = 1000) -> AsyncIterator[WorkflowRow]:
+        """Yield every workflow that has not ended, a page at a time."""
+        ...
+
+    async def ended_with_teardown_errors(self) -> builtins.list[WorkflowRow]:
+        """Return the ended workflows that still hold a wait whose teardown failed."""
+        ...
+
+    async def history(self, workflow_id: str, *, limit: int = 1000) -> builtins.list[HistoryRow]:
+        """Return a workflow's history, oldest first."""
+        ...
+
+    async def inbox_pending(self, workflow_id: str | None = None) -> builtins.list[InboxRow]:
+        """Return the acknowledged callbacks not applied yet."""
+        ...
+
+    async def backup(self, dest: Path) -> int:
+        """Write a consistent copy to a new file at `dest`; return its size."""
+        ...
+
+    async def counts(self) -> dict[str, int]:
+        """Count workflows by status."""
+        ...
