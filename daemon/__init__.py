@@ -54,6 +54,7 @@ from daemon.errors import (
     StepNotFound,
     UnknownStatement,
     ValidationError,
+    WorkflowdError,
     WorkflowError,
 )
 
@@ -102,6 +103,7 @@ __all__ = [
     "Workflow",
     "WorkflowError",
     "WorkflowStatus",
+    "WorkflowdError",
     "definition_to_dict",
     "find_handler",
     "find_step",

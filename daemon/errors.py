@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-class WorkflowError(Exception):
+class WorkflowdError(Exception):
     """Unexpected workflowd error."""
 
     code = "internal"
@@ -17,25 +17,29 @@ class WorkflowError(Exception):
         return str(self)
 
 
-class ValidationError(WorkflowError):
+#: The root's name before 0.2, kept so code written against it still works.
+WorkflowError = WorkflowdError
+
+
+class ValidationError(WorkflowdError):
     """The workflow definition is invalid."""
 
     code = "invalid_definition"
 
 
-class UnknownStatement(WorkflowError):
+class UnknownStatement(WorkflowdError):
     """The definition holds an object that is not a statement."""
 
     code = "invalid_definition"
 
 
-class StepNotFound(WorkflowError):
+class StepNotFound(WorkflowdError):
     """A thread stopped at a statement that no longer exists in the definition."""
 
     code = "invalid_definition"
 
 
-class StepFailed(WorkflowError):
+class StepFailed(WorkflowdError):
     """A step's action raised."""
 
     def __init__(self, step: str, cause: BaseException) -> None:
@@ -44,67 +48,67 @@ class StepFailed(WorkflowError):
         self.cause = cause
 
 
-class RunawayWorkflow(WorkflowError):
+class RunawayWorkflow(WorkflowdError):
     """The workflow made too many transitions without blocking (an endless loop?)."""
 
 
-class CallbackNotFound(WorkflowError):
+class CallbackNotFound(WorkflowdError):
     """No thread of the workflow waits for that event."""
 
     code = "not_found"
 
 
-class StaleCallback(WorkflowError):
+class StaleCallback(WorkflowdError):
     """The callback's pc does not match the wait it addresses (it is from an earlier wait)."""
 
     code = "stale"
 
 
-class HandlerRejected(WorkflowError):
+class HandlerRejected(WorkflowdError):
     """The event's handler rejected the input; the workflow is unchanged."""
 
     code = "bad_input"
 
 
-class WorkflowNotFound(WorkflowError):
+class WorkflowNotFound(WorkflowdError):
     """No workflow has that id."""
 
     code = "not_found"
 
 
-class UnknownWorkflowType(WorkflowError):
+class UnknownWorkflowType(WorkflowdError):
     """No workflow class is registered under that name."""
 
     code = "not_found"
 
 
-class Conflict(WorkflowError):
+class Conflict(WorkflowdError):
     """The request conflicts with the workflow's current state."""
 
     code = "conflict"
 
 
-class BadRequest(WorkflowError):
+class BadRequest(WorkflowdError):
     """The request is malformed."""
 
     code = "bad_request"
 
 
-class Unavailable(WorkflowError):
+class Unavailable(WorkflowdError):
     """The daemon is shutting down or cannot serve the request now."""
 
     code = "unavailable"
 
 
-class StoreLocked(WorkflowError):
+class StoreLocked(WorkflowdError):
     """Another workflowd process holds this database."""
 
 
-class ConfigError(WorkflowError):
+class ConfigError(WorkflowdError):
     """The configuration is invalid."""
 
 
-class BadInput(WorkflowError):
+class BadInput(WorkflowdError):
     """The value does not fit the workflow's data types."""
 
     code = "bad_input"

@@ -22,6 +22,7 @@ from daemon.control.server import Server, serve
 from daemon.control.sockfile import listener_from_systemd
 from daemon.core.workflow import Workflow
 from daemon.errors import ConfigError, StoreLocked, ValidationError
+from daemon.identity import refuse_foreign
 from daemon.ops.backup import backup
 from daemon.ops.modules import load_registry
 from daemon.ops.reload import Reloader, settings_of
@@ -199,6 +200,9 @@ async def _collect_garbage(rt: Runtime, reloader: Reloader) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run workflowd; exit 2 on a bad configuration, 1 if another daemon holds the store."""
+    refused = refuse_foreign("workflowd")
+    if refused is not None:
+        return refused
     # A burst of due timers or callbacks makes many short-lived objects; with the default
     # threshold (700) full collections of a large heap dominated such bursts (measured).
     gc.set_threshold(GC_THRESHOLD, 10, 10)

@@ -34,7 +34,7 @@ from watchfiles import Change
 
 from daemon.core.handler import CallbackRequest, Deliver
 
-from .dirwatch import Changes, DirWatch
+from ._dirwatch import Changes, DirWatch
 
 _ON = ("created", "modified", "deleted", "exists", "nonempty")
 _MAGIC = re.compile(r"[*?[]")

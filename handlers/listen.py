@@ -18,7 +18,7 @@ from anyio.abc import Listener, SocketStream
 
 from daemon.core.handler import CallbackRequest, Deliver
 
-from .oneshot import OneShot
+from ._oneshot import OneShot
 
 HANDOVER_S = 1.0
 _MAX_UNIX_PATH = 108

@@ -18,7 +18,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from daemon.core.handler import ActiveHandler, CallbackRequest
 from daemon.errors import HandlerRejected
 from handlers import SocketListen
-from handlers.oneshot import MAX_LINE
+from handlers._oneshot import MAX_LINE
 
 
 class Inbox:

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from daemon.control import protocol as proto
+from daemon.identity import refuse_foreign
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 DEFAULT_SOCKET = "state/workflowd.sock"  # the [daemon] socket default of config.toml
@@ -338,6 +339,9 @@ def to_svg(dot: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Run workflowctl and exit with its status."""
+    refused = refuse_foreign("workflowctl")
+    if refused is not None:
+        sys.exit(refused)
     args = build_parser().parse_args(argv)
     try:
         path = socket_path(args)

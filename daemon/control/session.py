@@ -15,7 +15,7 @@ import structlog
 from daemon.control import protocol as proto
 from daemon.control.protocol import encode, error
 from daemon.control.wire import Wire
-from daemon.errors import WorkflowError
+from daemon.errors import WorkflowdError
 
 log = structlog.get_logger()
 
@@ -168,7 +168,7 @@ class Session:
     async def _respond(self, req: proto.AnyRequest) -> dict[str, Any]:
         try:
             return proto.ok(req.id, await self._dispatch(req, self.reply, self.uid))
-        except WorkflowError as e:
+        except WorkflowdError as e:
             return error(req.id, e.code, e.message)
         except (sqlite3.Error, OSError) as e:
             # Disk full, database locked: nothing was acknowledged, the client may retry.

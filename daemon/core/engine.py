@@ -52,7 +52,7 @@ from daemon.errors import (
     StepFailed,
     StepNotFound,
     ValidationError,
-    WorkflowError,
+    WorkflowdError,
 )
 
 # Enum members read on every transition (an Enum class attribute costs ~0.1 µs in 3.11).
@@ -191,7 +191,7 @@ class _Cursor:
             return None
         tid, state = stmt.thread_id, self.resumer.state
         if state.thread(tid) is not None:
-            raise WorkflowError(f"thread {tid!r} is already running (give Go an id= per loop)")
+            raise WorkflowdError(f"thread {tid!r} is already running (give Go an id= per loop)")
         state.threads.append(Thread(tid, stmt.name))
         return None
 
@@ -446,7 +446,7 @@ async def resume(
 ) -> None:
     """Run the workflow until every thread is blocked or it has finished."""
     if state.status in FINAL_STATUSES:
-        raise WorkflowError(f"workflow {state.id} is already {state.status}")
+        raise WorkflowdError(f"workflow {state.id} is already {state.status}")
     r = _Resumer(wf, state, checkpoint)
     state.pc += 1
     await r.teardown()
@@ -493,7 +493,7 @@ async def handle_callback(req: CallbackRequest, wf: Definable, state: State, inp
     except Exception as e:
         # The caller may retry, so the handler must leave no trace.
         wf.restore(snap)
-        if isinstance(e, WorkflowError):
+        if isinstance(e, WorkflowdError):
             raise
         raise HandlerRejected(f"event {req.name!r}: {_describe(e)}") from e
     state.pc += 1

@@ -23,7 +23,7 @@ from daemon.core.statements import (
     walk,
 )
 from daemon.core.workflow import Workflow
-from daemon.errors import WorkflowError
+from daemon.errors import WorkflowdError
 
 #: The handler type of handlers.Timer (the daemon package does not import handlers).
 TIMER_TYPE = "timer"
@@ -63,7 +63,7 @@ def lint(root: Section) -> list[Finding]:
     invalid: Finding | None = None
     try:
         Definition(root)
-    except WorkflowError as e:
+    except WorkflowdError as e:
         invalid = Finding("error", "invalid", "", str(e))
     try:
         duplicates = _duplicates(root)
@@ -122,7 +122,7 @@ def lint_workflow(cls: type[Workflow]) -> list[Finding]:
     """Check the definition of a workflow type, built from its fields' defaults."""
     try:
         wf = cls.from_input(None)
-    except WorkflowError as e:
+    except WorkflowdError as e:
         message = f"cannot build a {cls.name} from its field defaults to check it: {e}"
         return [Finding("warning", "not_checked", "", message)]
     try:

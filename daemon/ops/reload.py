@@ -15,7 +15,7 @@ import structlog
 from daemon.core.compat import Registry, blockers
 from daemon.core.state import FINAL_STATUSES, State
 from daemon.core.workflow import Workflow, fill_defaults
-from daemon.errors import WorkflowError
+from daemon.errors import WorkflowdError
 from daemon.ops.modules import import_fresh, restore
 from daemon.runtime.cache import Cache
 from daemon.runtime.settings import Settings
@@ -105,7 +105,7 @@ class Reloader:
         try:
             cfg = load_config(self.cfg.source)
             registry, old = import_fresh(cfg)
-        except WorkflowError as e:
+        except WorkflowdError as e:
             log.error("reload_refused", error=str(e))
             return {"reloaded": False, "error": str(e), "blocked": []}
         blocked: dict[str, dict[str, Any]] = {}

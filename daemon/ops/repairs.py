@@ -33,7 +33,7 @@ from daemon.errors import (
     BadRequest,
     Conflict,
     ValidationError,
-    WorkflowError,
+    WorkflowdError,
     WorkflowNotFound,
 )
 from daemon.ops.graph import render
@@ -297,7 +297,7 @@ class Repairs:
         else:
             try:
                 wf = self._cache.workflow_type(workflow).from_input(None)
-            except WorkflowError as e:
+            except WorkflowdError as e:
                 raise BadRequest(f"{workflow} needs field values; give a workflow id: {e}") from e
         title = f"{workflow} {workflow_id}" if workflow_id else workflow
         tree = definition_to_dict(_definition(wf))
@@ -348,7 +348,7 @@ def _move(t: Thread, name: str, kind: str, wait: str) -> None:
 def _definition(wf: Workflow) -> Section:
     try:
         return wf.definition()
-    except WorkflowError:
+    except WorkflowdError:
         raise
     except Exception as e:
         raise ValidationError(f"definition() raised {type(e).__name__}: {e}") from e

@@ -21,7 +21,7 @@ from daemon.core.engine import handle_callback, resume, teardown_ended
 from daemon.core.state import FINAL_STATUSES, CheckpointType, EventStatus, WorkflowStatus
 from daemon.core.statements import NonRetryableError, Retry, Step
 from daemon.core.workflow import Workflow
-from daemon.errors import CallbackNotFound, HandlerRejected, StepFailed, Unavailable, WorkflowError
+from daemon.errors import CallbackNotFound, HandlerRejected, StepFailed, Unavailable, WorkflowdError
 from daemon.runtime.arming import Arms
 from daemon.runtime.cache import Cache, Loaded
 from daemon.runtime.settings import Settings
@@ -87,7 +87,7 @@ class Actor:
         with bound_contextvars(workflow_id=self.workflow_id):
             try:
                 loaded = await self.cache.load(self.workflow_id)
-            except WorkflowError as e:
+            except WorkflowdError as e:
                 self._reject_all(e)
                 return
             with bound_contextvars(workflow=loaded.state.workflow):
@@ -186,7 +186,7 @@ class Actor:
             except StepFailed as e:
                 await self._step_failed(loaded, e)
                 return
-            except WorkflowError as e:
+            except WorkflowdError as e:
                 await self._fail(await self._reload(), str(e))
                 return
         self._scope = None
@@ -291,7 +291,7 @@ class Actor:
         event = item.req.name
         try:
             out = await handle_callback(item.req, loaded.wf, loaded.state, item.input)
-        except WorkflowError as e:
+        except WorkflowdError as e:
             await self._reject(loaded, item, reply, e)
             return
         try:
@@ -313,7 +313,7 @@ class Actor:
             raise
         reply.set(out)
 
-    async def _reject(self, loaded: Loaded, item: Item, reply: Reply, e: WorkflowError) -> None:
+    async def _reject(self, loaded: Loaded, item: Item, reply: Reply, e: WorkflowdError) -> None:
         assert item.req is not None
         event = item.req.name
         log.info("callback_rejected", event_name=event, code=e.code, error=str(e))
@@ -323,13 +323,13 @@ class Actor:
             self._history.append(("callback_rejected", {"event": event, "error": str(e)}))
             await self._save(loaded)
 
-    def _reject_waiting(self, error: WorkflowError) -> None:
+    def _reject_waiting(self, error: WorkflowdError) -> None:
         for item in [i for i in self.items if i.kind == "callback" and i.inbox_id is None]:
             if item.reply is not None:
                 self.items.remove(item)
                 item.reply.fail(error)
 
-    def _reject_all(self, error: WorkflowError) -> None:
+    def _reject_all(self, error: WorkflowdError) -> None:
         while self.items:
             item = self.items.popleft()
             if item.reply is not None:

@@ -10,7 +10,7 @@ import msgspec
 
 from daemon.core.state import State
 from daemon.core.workflow import Workflow
-from daemon.errors import UnknownWorkflowType, WorkflowError, WorkflowNotFound
+from daemon.errors import UnknownWorkflowType, WorkflowdError, WorkflowNotFound
 from daemon.store.base import Store, WorkflowRow
 
 Registry = dict[str, type[Workflow]]
@@ -76,7 +76,7 @@ class Cache:
         return await self.load(workflow_id)
 
     def decode(self, row: WorkflowRow) -> Loaded:
-        """Turn a stored row into a live workflow; a corrupt row raises WorkflowError."""
+        """Turn a stored row into a live workflow; a corrupt row raises WorkflowdError."""
         cls = self.registry.get(row.name)
         if cls is None:
             raise UnknownWorkflowType(f"workflow type {row.name!r} is not registered")
@@ -84,7 +84,7 @@ class Cache:
             wf = cls.from_json(row.data)
             state = State.from_json(row.state)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise WorkflowError(f"corrupt row {row.id}: {e}") from e
+            raise WorkflowdError(f"corrupt row {row.id}: {e}") from e
         return Loaded(wf, state, attempt=row.attempt, error=row.error, next_run_at=row.next_run_at)
 
     def remember(self, loaded: Loaded) -> None:

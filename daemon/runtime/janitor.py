@@ -8,7 +8,7 @@ import anyio
 import structlog
 
 from daemon.core.engine import teardown_ended
-from daemon.errors import WorkflowError
+from daemon.errors import WorkflowdError
 from daemon.runtime.cache import Cache
 from daemon.store.base import Store
 
@@ -38,7 +38,7 @@ class Janitor:
                 continue
             try:
                 loaded = self._cache.decode(row)
-            except WorkflowError:
+            except WorkflowdError:
                 continue  # a corrupt row is reported by recovery
             still = await teardown_ended(loaded.wf, loaded.state)
             await self._store.checkpoint(

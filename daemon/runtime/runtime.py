@@ -19,7 +19,7 @@ from daemon.clock import Clock, get_clock, use_clock
 from daemon.core.handler import CallbackRequest
 from daemon.core.lint import Finding, lint_workflow
 from daemon.core.state import FINAL_STATUSES, EventStatus, State, WorkflowStatus
-from daemon.errors import CallbackNotFound, Conflict, Unavailable, WorkflowError, WorkflowNotFound
+from daemon.errors import CallbackNotFound, Conflict, Unavailable, WorkflowdError, WorkflowNotFound
 from daemon.runtime.actor import Actor
 from daemon.runtime.arming import Arms
 from daemon.runtime.cache import Cache, Loaded, Registry
@@ -178,7 +178,7 @@ class Runtime:
             return "held"
         try:
             loaded = self.cache.decode(row)
-        except WorkflowError as e:
+        except WorkflowdError as e:
             log.error("workflow_corrupt", workflow_id=row.id, workflow=row.name, error=str(e))
             await self.store.set_status(row.id, status=row.status, error=str(e))
             return "broken"

@@ -7,6 +7,11 @@ from types import TracebackType
 from typing import Self
 
 import anyio
+
+# watchfiles' public `watch`/`awatch` open the inotify watch only when first iterated, and
+# block there: a caller cannot start watching, then check the file, then wait. FileWatch needs
+# exactly that order (a change between its check and the watch would be lost), and only the
+# class behind those functions offers it; it is typed and stable since watchfiles 0.10.
 from watchfiles._rust_notify import RustNotify
 
 DEBOUNCE_MS = 50

@@ -21,7 +21,7 @@ from anyio.abc import Listener, SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from daemon.core.handler import Deliver
-from daemon.errors import BadRequest, CallbackNotFound, StaleCallback, WorkflowError
+from daemon.errors import BadRequest, CallbackNotFound, StaleCallback, WorkflowdError
 
 MAX_LINE = 1 << 20
 
@@ -91,10 +91,10 @@ class OneShot:
                     return await self._reply(stream, _error(e))
                 finally:
                     self.done.set()
-            except WorkflowError as e:
+            except WorkflowdError as e:
                 return await self._reply(stream, _error(e))
             except Exception:
-                await self._reply(stream, _error(WorkflowError()))
+                await self._reply(stream, _error(WorkflowdError()))
                 raise
             self.fired = True
             self.release()  # the next wait may bind this path while we answer
@@ -108,12 +108,12 @@ class OneShot:
         try:
             data = msgspec.json.encode(message)
         except (TypeError, msgspec.EncodeError) as e:
-            data = msgspec.json.encode(_error(WorkflowError(f"reply is not JSON: {e}")))
+            data = msgspec.json.encode(_error(WorkflowdError(f"reply is not JSON: {e}")))
         with anyio.move_on_after(self.timeout):
             await stream.send(data + b"\n")
 
 
-def _error(e: WorkflowError) -> dict[str, Any]:
+def _error(e: WorkflowdError) -> dict[str, Any]:
     return {"ok": False, "error": {"code": e.code, "message": str(e)}}
 
 
