@@ -195,3 +195,25 @@ class TestRules:
             is_doc = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
             is_all = isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "__all__"
             assert is_doc or is_all or isinstance(node, ast.ImportFrom), ast.unparse(node)
+
+
+class TestReadme:
+    """The README's "Where things live" follows the folders."""
+
+    def test_every_module_is_named_in_its_row(self) -> None:
+        """Each layer's row in the README names every module of that folder."""
+        text = (TOP / "README.md").read_text()
+        section = text.split("## Where things live", 1)[1].split("\n## ", 1)[0]
+        rows = {
+            line.split("|")[1].strip().strip("`"): line
+            for line in section.splitlines()
+            if line.startswith("| `")
+        }
+        for folder in sorted(
+            p for p in (TOP / "daemon").iterdir() if (p / "__init__.py").is_file()
+        ):
+            row = rows.get(f"daemon/{folder.name}/")
+            assert row is not None, f"no row for daemon/{folder.name}/"
+            for path in folder.glob("*.py"):
+                if path.stem != "__init__":
+                    assert f"`{path.stem}`" in row, f"daemon/{folder.name}/{path.name}"
