@@ -139,8 +139,8 @@ class TestGraph:
         """A circle planted in the graph is reported."""
         ours = our_imports
         try:
-            globals()["our_imports"] = lambda m: ours(m) | (
-                {"daemon.core.engine"} if m == "daemon.core.state" else set()
+            globals()["our_imports"] = lambda m: (
+                ours(m) | ({"daemon.core.engine"} if m == "daemon.core.state" else set())
             )
             assert ["daemon.core.engine", "daemon.core.state"] in cycles()
         finally:

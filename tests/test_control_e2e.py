@@ -25,7 +25,7 @@ from daemon.control.protocol import ERROR_CODES
 from tests.harness import REPO, Client, Daemon, running_daemon, wait_status, write_config
 from tests.support import PING_CHILD, needs_root
 
-MODULES = ["tests.control_workflows"]
+MODULES = ["tests.workflows.control"]
 TALLY_EVENTS = ["add", "rename", "close"]
 
 

@@ -9,7 +9,7 @@ import anyio
 
 from tests.harness import REPO, Daemon, run_workflowd, running_daemon, wait_status, write_config
 
-MODULES = ["tests.e2e_workflows"]
+MODULES = ["tests.workflows.e2e"]
 
 
 class TestProcess:

@@ -26,11 +26,11 @@ from daemon.clock import FakeClock
 from daemon.errors import CallbackNotFound, StaleCallback
 from daemon.runtime.runtime import Runtime
 from daemon.store.sqlite import Store
-from tests.handler_workflows import Guarded, Race
 from tests.harness import Daemon, running_daemon, wait_status
 from tests.support import settled
+from tests.workflows.handler import Guarded, Race
 
-MODULES = ["tests.handler_workflows"]
+MODULES = ["tests.workflows.handler"]
 REGISTRY: dict[str, type[Workflow]] = {c.name: c for c in (Guarded, Race)}
 
 

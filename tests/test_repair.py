@@ -22,7 +22,7 @@ from daemon.runtime.runtime import Runtime
 from tests.harness import REPO, Client, Daemon, running_daemon, wait_status, write_config
 from tests.support import eventually
 
-MODULES = ["tests.repair_workflows"]
+MODULES = ["tests.workflows.repair"]
 
 
 def _conforms(rt: Runtime) -> Repairs:

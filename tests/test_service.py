@@ -20,9 +20,9 @@ import structlog
 
 from daemon.service import journal
 from daemon.service.log import configure_logging
-from tests import service_workflows as versions
 from tests.harness import REPO, Client, Daemon, connect, running_daemon, wait_status, write_config
 from tests.test_log import restore_logging  # noqa: F401 - a fixture, used by name
+from tests.workflows import service as versions
 
 MODULE = "svc_flows"  # written into each test's tmp_path, so every test has its own copy
 
@@ -245,7 +245,7 @@ os.execv(sys.executable, [sys.executable, "-m", "daemon.main", "--config", sys.a
 class TestSocketActivation:
     async def test_daemon_serves_the_inherited_socket(self, tmp_path: Path) -> None:
         """Given a listening socket as fd 3 (LISTEN_FDS), workflowd serves it and binds nothing."""
-        config = write_config(tmp_path, ["tests.e2e_workflows"])
+        config = write_config(tmp_path, ["tests.workflows.e2e"])
         sock = socket.socket(socket.AF_UNIX)
         sock.bind(str(tmp_path / "activated.sock"))
         sock.listen()
@@ -272,7 +272,7 @@ class TestSocketActivation:
 class TestBackup:
     async def test_backup_is_a_consistent_copy(self, tmp_path: Path) -> None:
         """`workflowctl backup PATH` writes a complete standalone database and never overwrites."""
-        async with running_daemon(tmp_path, ["tests.e2e_workflows"]) as d, d.client() as c:
+        async with running_daemon(tmp_path, ["tests.workflows.e2e"]) as d, d.client() as c:
             for n in range(20):
                 await c.call("start", workflow="Gate", workflow_id=f"g{n}")
             dest = tmp_path / "backups" / "copy.db"
@@ -297,7 +297,7 @@ class TestBackup:
     @pytest.mark.parametrize("path", ["relative.db"])
     async def test_relative_path_is_refused_by_the_daemon(self, tmp_path: Path, path: str) -> None:
         """The daemon wants an absolute path (workflowctl makes it absolute first)."""
-        async with running_daemon(tmp_path, ["tests.e2e_workflows"]) as d, d.client() as c:
+        async with running_daemon(tmp_path, ["tests.workflows.e2e"]) as d, d.client() as c:
             response = await c.request("backup", path=path)
         assert response["error"]["code"] == "bad_request"
 

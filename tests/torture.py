@@ -2,7 +2,7 @@
 
 Shared by tests/test_reliability.py (a short run) and tests/benchmarks/bench_torture.py (a long
 one). `torture(tmp, plan)` starts the daemon on a state folder of its own, starts the workflows
-of tests/torture_workflows.py through the control socket, sends signals and socket messages
+of tests/workflows/torture.py through the control socket, sends signals and socket messages
 while a killer task SIGKILLs (now and then SIGTERMs) and restarts the daemon, waits for every
 workflow to finish, stops the daemon and returns a Report whose `problems` must be empty.
 """
@@ -22,9 +22,9 @@ from typing import Any
 import anyio
 
 from tests.harness import Client, Daemon, write_config
-from tests.torture_workflows import FLAKY_EVERY
+from tests.workflows.torture import FLAKY_EVERY
 
-MODULES = ["tests.torture_workflows"]
+MODULES = ["tests.workflows.torture"]
 _GONE = (OSError, anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError)
 _FINAL = ("Finished", "Failed", "Cancelled")
 

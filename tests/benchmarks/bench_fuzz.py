@@ -263,7 +263,7 @@ async def fuzz(tmp: Path, budget_s: float = BUDGET_S) -> tuple[Tally, int, float
     tally, held = Tally(), [0]
     config = write_config(
         tmp,
-        ["tests.torture_workflows"],
+        ["tests.workflows.torture"],
         daemon={"max_connections": MAX_CONNECTIONS, "idle_timeout_s": 600.0},
     )
     d = Daemon(tmp, config)

@@ -20,7 +20,7 @@ import anyio
 
 from daemon import CallbackRequest, For, Go, If, On, S, Section, Step, Wait, WaitFor, Workflow
 from handlers import Signal, SocketListen, Timer
-from tests.e2e_workflows import append_step_log
+from tests.workflows.e2e import append_step_log
 
 #: The step that raises once per key fails on these iterations of a Looper.
 FLAKY_EVERY = 5
