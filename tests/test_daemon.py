@@ -18,7 +18,7 @@ class TestProcess:
     async def test_start_signal_finish(self, tmp_path: Path) -> None:
         """A workflow started over the socket takes signals and finishes."""
         async with running_daemon(tmp_path, MODULES) as d, d.client() as c:
-            res = await c.call("start", workflow="Gate", workflow_id="g1", input={"id": "g1"})
+            res = await c.call("start", workflow="Turnstile", workflow_id="g1", input={"id": "g1"})
             assert res["workflow_id"] == "g1"
             for n in range(3):
                 assert await c.call("send", workflow_id="g1", event="add", input=n) == n + 1

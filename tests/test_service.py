@@ -258,7 +258,7 @@ class TestSocketActivation:
             async with connect(tmp_path / "activated.sock") as c:
                 with anyio.fail_after(30):
                     assert (await c.call("ping"))["workflows"] == {}
-                    await c.call("start", workflow="Gate", workflow_id="g")
+                    await c.call("start", workflow="Turnstile", workflow_id="g")
             assert not (tmp_path / "wd.sock").exists()  # the config's own path stays unused
         finally:
             process.send_signal(signal.SIGTERM)
@@ -274,7 +274,7 @@ class TestBackup:
         """`workflowctl backup PATH` writes a complete standalone database and never overwrites."""
         async with running_daemon(tmp_path, ["tests.workflows.e2e"]) as d, d.client() as c:
             for n in range(20):
-                await c.call("start", workflow="Gate", workflow_id=f"g{n}")
+                await c.call("start", workflow="Turnstile", workflow_id=f"g{n}")
             dest = tmp_path / "backups" / "copy.db"
             dest.parent.mkdir()
             done = await workflowctl(d.socket, "backup", str(dest))

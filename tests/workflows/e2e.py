@@ -46,7 +46,7 @@ class Steps(Workflow):
 
 
 @dataclass
-class Gate(Workflow):
+class Turnstile(Workflow):
     """Counts signals in a loop until `need` arrived, with a parallel timer thread."""
 
     id: str = ""
