@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 import socket
 import stat
 import sys
-import tempfile
-from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -22,184 +19,20 @@ import pytest
 import structlog
 from anyio.from_thread import start_blocking_portal
 from anyio.streams.buffered import BufferedByteReceiveStream
-from anyio.streams.memory import MemoryObjectSendStream
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from daemon.control.protocol import ERROR_CODES, OPS, encode
-from daemon.control.server import Backend, serve
+from daemon.control.server import serve
 from daemon.control.sockfile import listener_from_systemd
 from daemon.errors import (
-    CallbackNotFound,
-    Conflict,
-    HandlerRejected,
-    StaleCallback,
     Unavailable,
-    UnknownWorkflowType,
-    WorkflowNotFound,
 )
-from tests.support import PING_CHILD, needs_root
-
-REPO = Path(__file__).resolve().parent.parent
-Record = dict[str, Any]
-Records = list[Record]  # `list` is shadowed inside MemoryBackend
-
-
-class Unprintable:
-    """A value that cannot be turned into JSON, not even through str()."""
-
-    def __str__(self) -> str:
-        raise ValueError("no text form")
-
-
-class MemoryBackend:
-    """A real in-memory stand-in for the runtime: workflow types, waits, history and logs."""
-
-    def __init__(self, events: tuple[str, ...] = ("approve", "reject", "crash", "odd")) -> None:
-        #: Workflow type -> the events a new workflow of that type waits for.
-        self.types = {"approval": events}
-        self.workflows: dict[str, Record] = {}
-        self.histories: dict[str, list[Record]] = {}
-        self.records: list[Record] = []
-        self.subscribers: set[tuple[str | None, MemoryObjectSendStream[Record]]] = set()
-        self.hold: anyio.Event | None = None  # when set, `send` waits for it
-        self.started = 0
-
-    def emit(self, event: str, **fields: Any) -> None:
-        """Keep a log record and hand it to every live subscriber that wants it."""
-        record = {"event": event, **fields}
-        self.records.append(record)
-        for wanted, stream in list(self.subscribers):
-            if wanted in (None, record.get("workflow_id")):
-                with suppress(
-                    anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError
-                ):
-                    stream.send_nowait(record)
-
-    def _get(self, workflow_id: str) -> Record:
-        if workflow_id not in self.workflows:
-            raise WorkflowNotFound(f"no workflow {workflow_id!r}")
-        return self.workflows[workflow_id]
-
-    def _note(self, workflow_id: str, kind: str, detail: Any = None) -> None:
-        history = self.histories.setdefault(workflow_id, [])
-        history.append({"seq": len(history) + 1, "kind": kind, "detail": detail})
-
-    async def start(
-        self, workflow: str, workflow_id: str | None = None, input: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
-        """Create a workflow waiting for its type's events."""
-        if workflow not in self.types:
-            raise UnknownWorkflowType(f"no workflow type {workflow!r}")
-        self.started += 1
-        wid = workflow_id or f"{workflow}-{self.started}"
-        if wid in self.workflows:
-            raise Conflict(f"workflow {wid!r} already exists")
-        self.workflows[wid] = {
-            "workflow_id": wid,
-            "workflow": workflow,
-            "status": "waiting",
-            "updated_at": f"2024-01-01T00:{self.started // 60:02d}:{self.started % 60:02d}Z",
-            "waiting_for": list(self.types[workflow]),
-            "pc": 1,
-            "data": dict(input or {}),
-        }
-        self._note(wid, "started", input)
-        self.emit("workflow_started", workflow_id=wid)
-        return {"workflow_id": wid, "status": "waiting"}
-
-    async def send(
-        self,
-        workflow_id: str,
-        event: str,
-        input: Any = None,
-        *,
-        thread_id: str | None = None,
-        pc: int | None = None,
-        wait: bool = True,
-    ) -> Any:
-        """Deliver an event the way the runtime would check it."""
-        wf = self._get(workflow_id)
-        if wf["status"] != "waiting":
-            raise Conflict(f"workflow {workflow_id!r} is {wf['status']}")
-        if event not in wf["waiting_for"] or thread_id not in (None, "main"):
-            raise CallbackNotFound(f"{workflow_id!r} does not wait for {event!r}")
-        if pc is not None and pc != wf["pc"]:
-            raise StaleCallback(f"pc {pc} is stale (now {wf['pc']})")
-        if event == "crash":
-            raise RuntimeError("the backend broke")
-        if event == "odd":
-            return {"value": Unprintable()}
-        if event == "approve" and not isinstance(input, str):
-            raise HandlerRejected("approve needs the reviewer's name (a string)")
-        if self.hold is not None:
-            await self.hold.wait()
-        wf.update(status="finished", waiting_for=[], pc=wf["pc"] + 1)
-        self._note(workflow_id, event, input)
-        self.emit("event_handled", workflow_id=workflow_id, name=event)
-        return {"handled": event, "input": input}
-
-    async def list(
-        self, *, status: str | None = None, workflow: str | None = None, limit: int = 100
-    ) -> Records:
-        """List workflows newest first."""
-        keys = ("workflow_id", "workflow", "status", "updated_at", "waiting_for")
-        rows = [
-            {k: wf[k] for k in keys}
-            for wf in self.workflows.values()
-            if status in (None, wf["status"]) and workflow in (None, wf["workflow"])
-        ]
-        return sorted(rows, key=lambda r: r["updated_at"], reverse=True)[:limit]
-
-    async def show(self, workflow_id: str) -> dict[str, Any]:
-        """Return a copy of one workflow."""
-        return dict(self._get(workflow_id))
-
-    async def history(self, workflow_id: str, *, limit: int = 1000) -> Records:
-        """Return one workflow's history."""
-        self._get(workflow_id)
-        return self.histories[workflow_id][-limit:]
-
-    async def cancel(self, workflow_id: str) -> dict[str, Any]:
-        """Cancel a waiting workflow."""
-        wf = self._get(workflow_id)
-        if wf["status"] != "waiting":
-            raise Conflict(f"workflow {workflow_id!r} is already {wf['status']}")
-        wf.update(status="cancelled", waiting_for=[])
-        self._note(workflow_id, "cancelled")
-        return {"workflow_id": workflow_id, "status": "cancelled"}
-
-    async def counts(self) -> dict[str, int]:
-        """Count workflows by status."""
-        return dict(Counter(wf["status"] for wf in self.workflows.values()))
-
-    def busy(self) -> int:
-        """Count the workflows at work: none, in memory."""
-        return 0
-
-    @asynccontextmanager
-    async def subscribe_logs(
-        self, workflow_id: str | None = None, *, follow: bool = True
-    ) -> AsyncIterator[AsyncIterator[Record]]:
-        """Yield the kept records, then (with follow) live ones."""
-        send, receive = anyio.create_memory_object_stream[Record](10_000)
-        for record in self.records:
-            if workflow_id in (None, record.get("workflow_id")):
-                send.send_nowait(record)
-        entry = (workflow_id, send)
-        if follow:
-            self.subscribers.add(entry)
-        else:
-            send.close()
-        try:
-            with send, receive:
-                yield receive
-        finally:
-            self.subscribers.discard(entry)
-
-
-def _conforms(backend: MemoryBackend) -> Backend:
-    return backend  # mypy checks here that MemoryBackend satisfies the Backend protocol
+from tests.helpers.client import ping_as_nobody
+from tests.helpers.harness import REPO
+from tests.helpers.memory import MemoryBackend, Record, serving
+from tests.helpers.support import needs_root
+from tests.helpers.wait import until
 
 
 class Client:
@@ -235,15 +68,6 @@ class Client:
         raise AssertionError(f"expected EOF, got {data!r}")
 
 
-async def eventually(condition: Callable[[], bool]) -> None:
-    """Poll `condition` until it holds, failing after a generous ceiling."""
-    for _ in range(1000):
-        if condition():
-            return
-        await anyio.sleep(0.01)
-    raise AssertionError("condition never became true")
-
-
 @asynccontextmanager
 async def connect(path: Path) -> AsyncIterator[Client]:
     """Open a client connection."""
@@ -251,52 +75,18 @@ async def connect(path: Path) -> AsyncIterator[Client]:
         yield Client(stream)
 
 
-@asynccontextmanager
-async def running(backend: MemoryBackend, path: Path, **options: Any) -> AsyncIterator[Path]:
-    """Run serve() in the background for the duration of the block."""
-    async with anyio.create_task_group() as tg:
-        await tg.start(functools.partial(serve, backend, socket_path=path, **options))
-        yield path
-        tg.cancel_scope.cancel()
-
-
-@pytest.fixture
-def sockdir() -> Iterator[Path]:
-    """A short folder under /tmp (socket paths are limited to 107 bytes)."""
-    path = Path(tempfile.mkdtemp(prefix="wfd-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def backend() -> MemoryBackend:
-    """An in-memory backend holding one waiting workflow, `wf-1`."""
-    b = MemoryBackend()
-    b.workflows["wf-1"] = {
-        "workflow_id": "wf-1",
-        "workflow": "approval",
-        "status": "waiting",
-        "updated_at": "2023-12-31T00:00:00Z",
-        "waiting_for": ["approve", "reject", "crash", "odd"],
-        "pc": 7,
-        "data": {},
-    }
-    b.histories["wf-1"] = [{"seq": 1, "kind": "started", "detail": None}]
-    return b
-
-
 class TestRequests:
-    async def test_ping(self, backend: MemoryBackend, sockdir: Path) -> None:
+    async def test_ping(self, backend: MemoryBackend, short_tmp: Path) -> None:
         """Ping returns the version and workflow counts by status."""
-        async with running(backend, sockdir / "s"), connect(sockdir / "s") as c:
+        async with serving(backend, short_tmp / "s"), connect(short_tmp / "s") as c:
             r = await c.call("ping", id=1)
         assert r["ok"] is True and r["id"] == 1
         assert r["result"]["workflows"] == {"waiting": 1}
         assert isinstance(r["result"]["version"], str)
 
-    async def test_start_list_show_history(self, backend: MemoryBackend, sockdir: Path) -> None:
+    async def test_start_list_show_history(self, backend: MemoryBackend, short_tmp: Path) -> None:
         """A started workflow shows up in list, show and history."""
-        async with running(backend, sockdir / "s"), connect(sockdir / "s") as c:
+        async with serving(backend, short_tmp / "s"), connect(short_tmp / "s") as c:
             r = await c.call("start", id="a", workflow="approval", workflow_id="x", input={"n": 1})
             assert r == {"id": "a", "ok": True, "result": {"workflow_id": "x", "status": "waiting"}}
             rows = (await c.call("list", workflow="approval", limit=1))["result"]
@@ -305,9 +95,11 @@ class TestRequests:
             history = (await c.call("history", workflow_id="x"))["result"]
             assert history == [{"seq": 1, "kind": "started", "detail": {"n": 1}}]
 
-    async def test_send_returns_handler_output(self, backend: MemoryBackend, sockdir: Path) -> None:
+    async def test_send_returns_handler_output(
+        self, backend: MemoryBackend, short_tmp: Path
+    ) -> None:
         """Send returns what the handler returned, and wait=false only acknowledges."""
-        async with running(backend, sockdir / "s"), connect(sockdir / "s") as c:
+        async with serving(backend, short_tmp / "s"), connect(short_tmp / "s") as c:
             r = await c.call("send", workflow_id="wf-1", event="approve", input="ann", pc=7)
             assert r["result"] == {"handled": "approve", "input": "ann"}
             await c.call("start", workflow="approval", workflow_id="y")
@@ -328,29 +120,29 @@ class TestRequests:
         ],
     )
     async def test_backend_errors(
-        self, backend: MemoryBackend, sockdir: Path, fields: Record, code: str
+        self, backend: MemoryBackend, short_tmp: Path, fields: Record, code: str
     ) -> None:
         """A backend failure becomes an error response and the connection lives on."""
-        async with running(backend, sockdir / "s"), connect(sockdir / "s") as c:
+        async with serving(backend, short_tmp / "s"), connect(short_tmp / "s") as c:
             r = await c.call(id=9, **fields)
             assert r["ok"] is False and r["id"] == 9
             assert r["error"]["code"] == code and r["error"]["message"]
             assert (await c.call("ping"))["ok"] is True
 
     async def test_responses_may_come_out_of_order(
-        self, backend: MemoryBackend, sockdir: Path
+        self, backend: MemoryBackend, short_tmp: Path
     ) -> None:
         """A slow request does not hold up later ones on the same connection."""
         backend.hold = anyio.Event()
-        async with running(backend, sockdir / "s"), connect(sockdir / "s") as c:
+        async with serving(backend, short_tmp / "s"), connect(short_tmp / "s") as c:
             await c.write(encode({"op": "send", "id": 1, "workflow_id": "wf-1", "event": "reject"}))
             assert (await c.call("ping", id=2))["id"] == 2
             backend.hold.set()
             assert (await c.read())["id"] == 1
 
-    async def test_many_pipelined_requests(self, backend: MemoryBackend, sockdir: Path) -> None:
+    async def test_many_pipelined_requests(self, backend: MemoryBackend, short_tmp: Path) -> None:
         """Hundreds of requests written at once all get their own answer."""
-        async with running(backend, sockdir / "s"), connect(sockdir / "s") as c:
+        async with serving(backend, short_tmp / "s"), connect(short_tmp / "s") as c:
             await c.write(b"".join(encode({"op": "ping", "id": i}) for i in range(300)))
             ids = [(await c.read())["id"] for _ in range(300)]
         assert sorted(ids) == list(range(300))
@@ -375,10 +167,10 @@ class TestFraming:
         ],
     )
     async def test_bad_lines(
-        self, backend: MemoryBackend, sockdir: Path, line: bytes, code: str
+        self, backend: MemoryBackend, short_tmp: Path, line: bytes, code: str
     ) -> None:
         """A malformed line gets a clear error and the connection keeps working."""
-        async with running(backend, sockdir / "s"), connect(sockdir / "s") as c:
+        async with serving(backend, short_tmp / "s"), connect(short_tmp / "s") as c:
             await c.write(line + b"\n")
             r = await c.read()
             assert r["ok"] is False and r["error"]["code"] == code
@@ -386,22 +178,22 @@ class TestFraming:
                 assert r["id"] == 4
             assert (await c.call("ping"))["ok"] is True
 
-    async def test_last_line_without_newline(self, backend: MemoryBackend, sockdir: Path) -> None:
+    async def test_last_line_without_newline(self, backend: MemoryBackend, short_tmp: Path) -> None:
         """A request cut short by a half-close is still answered, after blank lines are skipped."""
-        async with running(backend, sockdir / "s"), connect(sockdir / "s") as c:
+        async with serving(backend, short_tmp / "s"), connect(short_tmp / "s") as c:
             await c.write(b'\n  \n{"op": "ping", "id": 3}')
             await c.stream.send_eof()
             assert (await c.read())["id"] == 3
             assert await c.closed()
 
     async def test_oversized_line_closes_only_that_connection(
-        self, backend: MemoryBackend, sockdir: Path
+        self, backend: MemoryBackend, short_tmp: Path
     ) -> None:
         """A line over the limit gets too_large before its newline arrives; others are unharmed."""
         async with (
-            running(backend, sockdir / "s", max_request_bytes=1024),
-            connect(sockdir / "s") as other,
-            connect(sockdir / "s") as c,
+            serving(backend, short_tmp / "s", max_request_bytes=1024),
+            connect(short_tmp / "s") as other,
+            connect(short_tmp / "s") as c,
         ):
             await c.write(b"x" * 1025)
             r = await c.read()
@@ -410,43 +202,46 @@ class TestFraming:
             assert (await other.call("ping"))["ok"] is True
 
     async def test_line_at_the_limit_is_accepted(
-        self, backend: MemoryBackend, sockdir: Path
+        self, backend: MemoryBackend, short_tmp: Path
     ) -> None:
         """A line of exactly max_request_bytes is served."""
         async with (
-            running(backend, sockdir / "s", max_request_bytes=1024),
-            connect(sockdir / "s") as c,
+            serving(backend, short_tmp / "s", max_request_bytes=1024),
+            connect(short_tmp / "s") as c,
         ):
             line = b'{"op": "ping", "id": 5}'
             await c.write(line.ljust(1024) + b"\n")
             assert (await c.read())["id"] == 5
 
-    async def test_idle_connection_is_closed(self, backend: MemoryBackend, sockdir: Path) -> None:
+    async def test_idle_connection_is_closed(self, backend: MemoryBackend, short_tmp: Path) -> None:
         """A connection with nothing to do is closed after the idle timeout."""
-        async with running(backend, sockdir / "s", idle_timeout=0.1), connect(sockdir / "s") as c:
+        async with (
+            serving(backend, short_tmp / "s", idle_timeout=0.1),
+            connect(short_tmp / "s") as c,
+        ):
             assert await c.closed()
 
-    async def test_connection_limit(self, backend: MemoryBackend, sockdir: Path) -> None:
+    async def test_connection_limit(self, backend: MemoryBackend, short_tmp: Path) -> None:
         """Connections over max_connections get `unavailable`; a slot frees up on close."""
-        async with running(backend, sockdir / "s", max_connections=1):
-            async with connect(sockdir / "s") as first:
+        async with serving(backend, short_tmp / "s", max_connections=1):
+            async with connect(short_tmp / "s") as first:
                 assert (await first.call("ping"))["ok"] is True
-                async with connect(sockdir / "s") as extra:
+                async with connect(short_tmp / "s") as extra:
                     assert (await extra.read())["error"]["code"] == "unavailable"
                     assert await extra.closed()
             with anyio.fail_after(10):
                 while True:
-                    async with connect(sockdir / "s") as c:
+                    async with connect(short_tmp / "s") as c:
                         if (await c.call("ping"))["ok"]:
                             break
 
 
 class TestLogs:
-    async def test_recent_records_then_end(self, backend: MemoryBackend, sockdir: Path) -> None:
+    async def test_recent_records_then_end(self, backend: MemoryBackend, short_tmp: Path) -> None:
         """Without follow, the kept records of that workflow come back, then an end marker."""
         backend.emit("a", workflow_id="wf-1")
         backend.emit("b", workflow_id="other")
-        async with running(backend, sockdir / "s"), connect(sockdir / "s") as c:
+        async with serving(backend, short_tmp / "s"), connect(short_tmp / "s") as c:
             await c.write(encode({"op": "logs", "id": 1, "workflow_id": "wf-1"}))
             assert await c.read() == {
                 "id": 1,
@@ -456,87 +251,80 @@ class TestLogs:
             assert await c.read() == {"id": 1, "ok": True, "result": {"end": True}}
 
     async def test_follow_streams_until_the_client_leaves(
-        self, backend: MemoryBackend, sockdir: Path
+        self, backend: MemoryBackend, short_tmp: Path
     ) -> None:
         """With follow, new records stream past the idle timeout; the client closing ends it."""
-        async with running(backend, sockdir / "s", idle_timeout=0.05):
-            async with connect(sockdir / "s") as c:
+        async with serving(backend, short_tmp / "s", idle_timeout=0.05):
+            async with connect(short_tmp / "s") as c:
                 await c.write(encode({"op": "logs", "id": 1, "follow": True}))
-                await eventually(lambda: bool(backend.subscribers))
+                await until(lambda: bool(backend.subscribers))
                 await anyio.sleep(0.2)  # several idle timeouts: a follow must survive them
                 backend.emit("late")
                 assert (await c.read())["log"] == {"event": "late"}
                 assert (await c.call("ping"))["ok"] is True
-            await eventually(lambda: not backend.subscribers)
+            await until(lambda: not backend.subscribers)
 
 
 class TestSocketFile:
-    async def test_mode_and_cleanup(self, backend: MemoryBackend, sockdir: Path) -> None:
+    async def test_mode_and_cleanup(self, backend: MemoryBackend, short_tmp: Path) -> None:
         """The socket gets the requested mode, its folder is created, and it is removed on exit."""
-        path = sockdir / "run" / "s"
-        async with running(backend, path, socket_mode=0o600):
+        path = short_tmp / "run" / "s"
+        async with serving(backend, path, socket_mode=0o600):
             assert stat.S_IMODE(path.stat().st_mode) == 0o600
             assert stat.S_ISSOCK(path.stat().st_mode)
         assert not path.exists()
 
-    async def test_stale_socket_is_replaced(self, backend: MemoryBackend, sockdir: Path) -> None:
+    async def test_stale_socket_is_replaced(self, backend: MemoryBackend, short_tmp: Path) -> None:
         """A socket file nobody listens on (left by a crash) is replaced."""
         with socket.socket(socket.AF_UNIX) as dead:
-            dead.bind(str(sockdir / "s"))
-        async with running(backend, sockdir / "s"), connect(sockdir / "s") as c:
+            dead.bind(str(short_tmp / "s"))
+        async with serving(backend, short_tmp / "s"), connect(short_tmp / "s") as c:
             assert (await c.call("ping"))["ok"] is True
 
-    async def test_live_socket_is_never_stolen(self, backend: MemoryBackend, sockdir: Path) -> None:
+    async def test_live_socket_is_never_stolen(
+        self, backend: MemoryBackend, short_tmp: Path
+    ) -> None:
         """A second server on a live socket fails and the first keeps serving."""
-        async with running(backend, sockdir / "s"):
+        async with serving(backend, short_tmp / "s"):
             with anyio.fail_after(10), pytest.raises(Unavailable, match="another workflowd is"):
-                await serve(MemoryBackend(), socket_path=sockdir / "s")
-            async with connect(sockdir / "s") as c:
+                await serve(MemoryBackend(), socket_path=short_tmp / "s")
+            async with connect(short_tmp / "s") as c:
                 assert (await c.call("ping"))["result"]["workflows"] == {"waiting": 1}
 
-    async def test_regular_file_is_not_removed(self, backend: MemoryBackend, sockdir: Path) -> None:
+    async def test_regular_file_is_not_removed(
+        self, backend: MemoryBackend, short_tmp: Path
+    ) -> None:
         """A file that is not a socket is left alone."""
-        (sockdir / "s").write_text("precious")
+        (short_tmp / "s").write_text("precious")
         with anyio.fail_after(10), pytest.raises(Unavailable, match="not a socket"):
-            await serve(backend, socket_path=sockdir / "s")
-        assert (sockdir / "s").read_text() == "precious"
+            await serve(backend, socket_path=short_tmp / "s")
+        assert (short_tmp / "s").read_text() == "precious"
 
     async def test_passed_listener_is_used_and_kept(
-        self, backend: MemoryBackend, sockdir: Path
+        self, backend: MemoryBackend, short_tmp: Path
     ) -> None:
         """With a listener passed in, serve() neither binds nor removes the socket file."""
         sock = socket.socket(socket.AF_UNIX)
-        sock.bind(str(sockdir / "s"))
+        sock.bind(str(short_tmp / "s"))
         sock.listen()
         listener = await anyio.abc.SocketListener.from_socket(sock)
         async with anyio.create_task_group() as tg:
             start = functools.partial(serve, backend, socket_path=None, listener=listener)
             await tg.start(start)
-            async with connect(sockdir / "s") as c:
+            async with connect(short_tmp / "s") as c:
                 assert (await c.call("ping"))["ok"] is True
             tg.cancel_scope.cancel()
-        assert (sockdir / "s").exists()
-
-
-async def _as_nobody(path: Path) -> Record:
-    """Connect from a child process running as uid/gid 65534 and return its first reply."""
-    argv = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
-    done = await anyio.run_process(
-        [*argv, sys.executable, "-I", "-c", PING_CHILD, str(path)], check=False
-    )
-    assert done.returncode == 0, done.stderr.decode()
-    result: Record = msgspec.json.decode(done.stdout)
-    return result
+        assert (short_tmp / "s").exists()
 
 
 @needs_root
 class TestPeerCredentials:
-    async def test_stranger_is_refused(self, backend: MemoryBackend, sockdir: Path) -> None:
+    async def test_stranger_is_refused(self, backend: MemoryBackend, short_tmp: Path) -> None:
         """A uid that is not allowed gets `forbidden` and the refusal is logged."""
-        os.chmod(sockdir, 0o777)  # let uid 65534 reach the socket
+        os.chmod(short_tmp, 0o777)  # let uid 65534 reach the socket
         with structlog.testing.capture_logs() as logs:
-            async with running(backend, sockdir / "s", socket_mode=0o666):
-                r = await _as_nobody(sockdir / "s")
+            async with serving(backend, short_tmp / "s", socket_mode=0o666):
+                r = await ping_as_nobody(short_tmp / "s")
         assert r["ok"] is False and r["error"]["code"] == "forbidden"
         refused = [e for e in logs if e["event"] == "control_forbidden"]
         assert refused and refused[0]["uid"] == 65534 and refused[0]["gid"] == 65534
@@ -546,12 +334,12 @@ class TestPeerCredentials:
         [{"allowed_uids": [65534]}, {"allowed_groups": [65534]}, {"allowed_groups": ["nogroup"]}],
     )
     async def test_allowed_peer_is_served(
-        self, backend: MemoryBackend, sockdir: Path, allow: Record
+        self, backend: MemoryBackend, short_tmp: Path, allow: Record
     ) -> None:
         """A uid or primary group on the allow-list is served."""
-        os.chmod(sockdir, 0o777)  # let uid 65534 reach the socket
-        async with running(backend, sockdir / "s", socket_mode=0o666, **allow):
-            r = await _as_nobody(sockdir / "s")
+        os.chmod(short_tmp, 0o777)  # let uid 65534 reach the socket
+        async with serving(backend, short_tmp / "s", socket_mode=0o666, **allow):
+            r = await ping_as_nobody(short_tmp / "s")
         assert r["ok"] is True and r["result"]["workflows"] == {"waiting": 1}
 
 
@@ -567,7 +355,7 @@ ACTIVATED = """
 import anyio, os
 from daemon.control.server import serve
 from daemon.control.sockfile import listener_from_systemd
-from tests.test_control import MemoryBackend
+from tests.helpers.memory import MemoryBackend
 
 async def main():
     listener = await listener_from_systemd()
@@ -579,17 +367,17 @@ anyio.run(main)
 
 
 class TestSocketActivation:
-    async def test_inherited_socket_is_served(self, sockdir: Path) -> None:
+    async def test_inherited_socket_is_served(self, short_tmp: Path) -> None:
         """A child given a listening socket as fd 3 with LISTEN_PID/LISTEN_FDS serves on it."""
         sock = socket.socket(socket.AF_UNIX)
-        sock.bind(str(sockdir / "s"))
+        sock.bind(str(short_tmp / "s"))
         sock.listen()
         fd = sock.fileno()
         argv = [sys.executable, "-c", SYSTEMD_EXEC, str(fd), ACTIVATED]
         process = await anyio.open_process(argv, cwd=REPO, pass_fds=(fd,), stdout=None, stderr=None)
         sock.close()
         try:
-            async with connect(sockdir / "s") as c:
+            async with connect(short_tmp / "s") as c:
                 with anyio.fail_after(30):
                     assert (await c.call("ping"))["result"]["workflows"] == {}
         finally:
@@ -639,7 +427,7 @@ payloads = st.one_of(
 
 
 class TestFuzz:
-    def test_server_survives_garbage(self, sockdir: Path) -> None:
+    def test_server_survives_garbage(self, short_tmp: Path) -> None:
         """Random bytes, JSON and request-like objects never break the server or its data."""
         backend = MemoryBackend(events=("approve", "reject"))  # no event that fails on purpose
         backend.workflows["keep"] = {
@@ -650,7 +438,7 @@ class TestFuzz:
             "waiting_for": [],
         }
         kept = dict(backend.workflows["keep"])
-        path = sockdir / "s"
+        path = short_tmp / "s"
         with start_blocking_portal() as portal:
             future, _ = portal.start_task(functools.partial(serve, backend, socket_path=path))
 
@@ -684,15 +472,15 @@ class TestFuzz:
 class TestLargeAndStalled:
     """Big requests and replies go through whole; a client that stops reading is dropped."""
 
-    async def test_large_request_and_reply(self, backend: MemoryBackend, sockdir: Path) -> None:
+    async def test_large_request_and_reply(self, backend: MemoryBackend, short_tmp: Path) -> None:
         """A 900 KB request line (under the limit) is answered with its 900 KB reply intact."""
         big = "x" * 900_000
-        async with running(backend, sockdir / "s"), connect(sockdir / "s") as c:
+        async with serving(backend, short_tmp / "s"), connect(short_tmp / "s") as c:
             r = await c.call("send", workflow_id="wf-1", event="approve", input=big)
         assert r["ok"] is True and r["result"]["input"] == big
 
     async def test_client_that_never_reads_is_dropped(
-        self, backend: MemoryBackend, sockdir: Path
+        self, backend: MemoryBackend, short_tmp: Path
     ) -> None:
         """A client that asks for large answers but never reads them is cut off after the idle
         timeout, and meanwhile other clients are served."""
@@ -700,8 +488,8 @@ class TestLargeAndStalled:
             backend.workflows[f"w{i}"] = dict(
                 backend.workflows["wf-1"], workflow_id=f"w{i}", data={"v": "z" * 200_000}
             )
-        path = sockdir / "s"
-        async with running(backend, path, idle_timeout=0.5):
+        path = short_tmp / "s"
+        async with serving(backend, path, idle_timeout=0.5):
             stalled = socket.socket(socket.AF_UNIX)
             stalled.connect(str(path))
             stalled.setblocking(False)

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,19 +19,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from daemon.control.protocol import ERROR_CODES
-from tests.harness import REPO, Client, Daemon, running_daemon, wait_status, write_config
-from tests.support import PING_CHILD, needs_root
+from tests.helpers.client import Client, ping_as_nobody
+from tests.helpers.harness import REPO, Daemon, running_daemon, write_config
+from tests.helpers.support import needs_root
+from tests.helpers.wait import logged, wait_status
 
 MODULES = ["tests.workflows.control"]
 TALLY_EVENTS = ["add", "rename", "close"]
-
-
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    """A short folder under /tmp (socket paths are limited to 107 bytes; others may traverse it)."""
-    path = Path(tempfile.mkdtemp(prefix="wfd-e2e-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 async def start_tally(c: Client, wid: str, **data: Any) -> None:
@@ -59,15 +50,6 @@ async def error_of(c: Client, op: str, **fields: Any) -> dict[str, Any]:
     assert response["error"]["code"] in ERROR_CODES and response["error"]["message"]
     error: dict[str, Any] = response["error"]
     return error
-
-
-async def logged(d: Daemon, event: str) -> None:
-    """Poll (bounded) until the daemon has logged `event`."""
-    with anyio.fail_after(20):
-        while True:
-            if any(r["event"] == event for r in d.records()):
-                return
-            await anyio.sleep(0.02)
 
 
 async def read_until_closed(c: Client) -> bytes:
@@ -394,18 +376,6 @@ class TestErrors:
         """A bug in workflowd becomes an internal error."""
 
 
-async def as_nobody(path: Path) -> dict[str, Any]:
-    """Ping from a child running as uid/gid 65534 and return its first reply."""
-    drop = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
-    with anyio.fail_after(30):
-        done = await anyio.run_process(
-            [*drop, sys.executable, "-I", "-c", PING_CHILD, str(path)], check=False
-        )
-    assert done.returncode == 0, done.stderr.decode()
-    result: dict[str, Any] = json.loads(done.stdout)
-    return result
-
-
 @needs_root
 class TestPeerCredentials:
     """The daemon checks who connects (SO_PEERCRED)."""
@@ -414,7 +384,7 @@ class TestPeerCredentials:
         """A uid not on the allow-list gets forbidden; the refusal is logged with uid and gid."""
         os.chmod(short_tmp, 0o777)  # let uid 65534 reach the socket
         async with running_daemon(short_tmp, MODULES, daemon={"socket_mode": "0666"}) as d:
-            response = await as_nobody(d.socket)
+            response = await ping_as_nobody(d.socket)
             async with d.client() as c:
                 assert (await c.call("ping"))["workflows"] == {}
         assert response["ok"] is False and response["error"]["code"] == "forbidden"
@@ -426,7 +396,7 @@ class TestPeerCredentials:
         os.chmod(short_tmp, 0o777)
         conf = {"socket_mode": "0666", "allowed_uids": [65534]}
         async with running_daemon(short_tmp, MODULES, daemon=conf) as d:
-            response = await as_nobody(d.socket)
+            response = await ping_as_nobody(d.socket)
         assert response["ok"] is True and response["result"]["workflows"] == {}
 
 

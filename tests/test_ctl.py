@@ -18,10 +18,8 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from daemon.control.ctl import build_parser, build_request, cell, show, table
 from daemon.control.protocol import Cancel, History, List, Logs, Ping, Send, Show, Start
-
-from .test_control import REPO, MemoryBackend, backend, running, sockdir
-
-__all__ = ["backend", "sockdir"]  # fixtures shared with test_control
+from tests.helpers.harness import REPO
+from tests.helpers.memory import MemoryBackend, serving
 
 
 async def ctl(*args: str, env: dict[str, str] | None = None, cwd: Path = REPO) -> Any:
@@ -41,17 +39,17 @@ def out(done: subprocess.CompletedProcess[bytes]) -> str:
 
 
 class TestCommands:
-    async def test_ping(self, backend: MemoryBackend, sockdir: Path) -> None:
+    async def test_ping(self, backend: MemoryBackend, short_tmp: Path) -> None:
         """Ping prints the version and counts, or the raw result with --json."""
-        async with running(backend, sockdir / "s") as path:
+        async with serving(backend, short_tmp / "s") as path:
             text = out(await ctl("--socket", str(path), "ping"))
             raw = out(await ctl("ping", "--json", "--socket", str(path)))
         assert text.startswith("workflowd ") and text.endswith(": 1 waiting\n")
         assert msgspec.json.decode(raw)["workflows"] == {"waiting": 1}
 
-    async def test_start_then_inspect(self, backend: MemoryBackend, sockdir: Path) -> None:
+    async def test_start_then_inspect(self, backend: MemoryBackend, short_tmp: Path) -> None:
         """A workflow started with an id and input shows up in list, show and history."""
-        async with running(backend, sockdir / "s") as path:
+        async with serving(backend, short_tmp / "s") as path:
             s = ("--socket", str(path))
             assert out(await ctl(*s, "start", "approval", "--id", "x", "--input", '{"n": 1}')) == (
                 "x: waiting\n"
@@ -73,9 +71,9 @@ class TestCommands:
         assert history == ["SEQ  KIND     DETAIL", '1    started  {"n":1}']
         assert [r["workflow_id"] for r in rows] == ["x"]
 
-    async def test_send(self, backend: MemoryBackend, sockdir: Path) -> None:
+    async def test_send(self, backend: MemoryBackend, short_tmp: Path) -> None:
         """Send prints the handler's output as JSON; --no-wait only says it is queued."""
-        async with running(backend, sockdir / "s") as path:
+        async with serving(backend, short_tmp / "s") as path:
             s = ("--socket", str(path))
             reply = out(await ctl(*s, "send", "wf-1", "approve", "--input", '"ann"', "--pc", "7"))
             await ctl(*s, "start", "approval", "--id", "y")
@@ -86,54 +84,54 @@ class TestCommands:
         assert msgspec.json.decode(queued) == {"queued": True}
         assert other_thread.returncode == 1 and b"error: not_found" in other_thread.stderr
 
-    async def test_cancel(self, backend: MemoryBackend, sockdir: Path) -> None:
+    async def test_cancel(self, backend: MemoryBackend, short_tmp: Path) -> None:
         """Cancel prints the new status."""
-        async with running(backend, sockdir / "s") as path:
+        async with serving(backend, short_tmp / "s") as path:
             assert out(await ctl("--socket", str(path), "cancel", "wf-1")) == "wf-1: cancelled\n"
         assert backend.workflows["wf-1"]["status"] == "cancelled"
 
 
 class TestExitCodes:
-    async def test_error_reply(self, backend: MemoryBackend, sockdir: Path) -> None:
+    async def test_error_reply(self, backend: MemoryBackend, short_tmp: Path) -> None:
         """An error reply exits 1 with `error: code: message` on stderr."""
-        async with running(backend, sockdir / "s") as path:
+        async with serving(backend, short_tmp / "s") as path:
             done = await ctl("--socket", str(path), "send", "wf-1", "approve", "--pc", "2")
         assert done.returncode == 1 and done.stdout == b""
         assert done.stderr.decode().startswith("error: stale: ")
 
-    async def test_usage_errors(self, sockdir: Path) -> None:
+    async def test_usage_errors(self, short_tmp: Path) -> None:
         """A bad command or bad --input JSON exits 2 without a traceback."""
         for args in (
             ["dance"],
             ["start", "x", "--input", "{oops"],
             ["start", "x", "--input", "[1]"],
         ):
-            done = await ctl("--socket", str(sockdir / "s"), *args)
+            done = await ctl("--socket", str(short_tmp / "s"), *args)
             assert done.returncode == 2 and b"Traceback" not in done.stderr
 
-    async def test_unreachable(self, sockdir: Path) -> None:
+    async def test_unreachable(self, short_tmp: Path) -> None:
         """No socket, or a socket nobody listens on, exits 3 with one clear line."""
-        missing = await ctl("--socket", str(sockdir / "s"), "ping")
+        missing = await ctl("--socket", str(short_tmp / "s"), "ping")
         with socket.socket(socket.AF_UNIX) as dead:
-            dead.bind(str(sockdir / "dead"))
-        refused = await ctl("--socket", str(sockdir / "dead"), "ping")
+            dead.bind(str(short_tmp / "dead"))
+        refused = await ctl("--socket", str(short_tmp / "dead"), "ping")
         for done in (missing, refused):
             lines = done.stderr.decode().splitlines()
             assert done.returncode == 3 and len(lines) == 1
             assert lines[0].startswith("workflowctl: cannot reach workflowd at ")
 
-    async def test_daemon_busy(self, backend: MemoryBackend, sockdir: Path) -> None:
+    async def test_daemon_busy(self, backend: MemoryBackend, short_tmp: Path) -> None:
         """A daemon at its connection limit answers `unavailable`, which exits 1."""
         async with (
-            running(backend, sockdir / "s", max_connections=1) as path,
+            serving(backend, short_tmp / "s", max_connections=1) as path,
             await anyio.connect_unix(path),  # takes the only slot
         ):
             done = await ctl("--socket", str(path), "ping")
         assert done.returncode == 1 and done.stderr.decode().startswith("error: unavailable:")
 
-    async def test_daemon_hangs_up(self, sockdir: Path) -> None:
+    async def test_daemon_hangs_up(self, short_tmp: Path) -> None:
         """A peer that closes the connection without answering counts as unreachable."""
-        async with await anyio.create_unix_listener(sockdir / "s") as listener:
+        async with await anyio.create_unix_listener(short_tmp / "s") as listener:
 
             async def hang_up() -> None:
                 stream = await listener.accept()
@@ -141,57 +139,57 @@ class TestExitCodes:
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(hang_up)
-                done = await ctl("--socket", str(sockdir / "s"), "ping")
+                done = await ctl("--socket", str(short_tmp / "s"), "ping")
         lines = done.stderr.decode().splitlines()  # "closed the connection" or "reset by peer"
         assert done.returncode == 3 and len(lines) == 1
         assert lines[0].startswith("workflowctl: cannot reach workflowd at ")
 
 
 class TestSocketPath:
-    async def test_environment(self, backend: MemoryBackend, sockdir: Path) -> None:
+    async def test_environment(self, backend: MemoryBackend, short_tmp: Path) -> None:
         """$WORKFLOWD_SOCKET is used when --socket is not given."""
-        async with running(backend, sockdir / "s") as path:
+        async with serving(backend, short_tmp / "s") as path:
             done = await ctl("ping", env={"WORKFLOWD_SOCKET": str(path)})
         assert out(done).startswith("workflowd ")
 
-    async def test_config_file(self, backend: MemoryBackend, sockdir: Path) -> None:
+    async def test_config_file(self, backend: MemoryBackend, short_tmp: Path) -> None:
         """[daemon] socket of the config is resolved against the config file's folder."""
-        (sockdir / "conf").mkdir()
-        (sockdir / "conf" / "config.toml").write_text('[daemon]\nsocket = "../run/s"\n')
-        async with running(backend, sockdir / "run" / "s"):
-            by_option = await ctl("--config", str(sockdir / "conf" / "config.toml"), "ping")
-            by_default = await ctl("ping", cwd=sockdir / "conf")
+        (short_tmp / "conf").mkdir()
+        (short_tmp / "conf" / "config.toml").write_text('[daemon]\nsocket = "../run/s"\n')
+        async with serving(backend, short_tmp / "run" / "s"):
+            by_option = await ctl("--config", str(short_tmp / "conf" / "config.toml"), "ping")
+            by_default = await ctl("ping", cwd=short_tmp / "conf")
         assert out(by_option).startswith("workflowd ")
         assert out(by_default).startswith("workflowd ")
 
     async def test_config_default_and_directory_variables(
-        self, backend: MemoryBackend, sockdir: Path
+        self, backend: MemoryBackend, short_tmp: Path
     ) -> None:
         """Without [daemon] socket the default applies; $RUNTIME_DIRECTORY is expanded."""
-        (sockdir / "config.toml").write_text("[store]\n")
-        (sockdir / "other.toml").write_text('[daemon]\nsocket = "$RUNTIME_DIRECTORY/w.sock"\n')
-        async with running(backend, sockdir / "state" / "workflowd.sock"):
-            default = await ctl("ping", cwd=sockdir)
-        async with running(backend, sockdir / "w.sock"):
-            env = {"RUNTIME_DIRECTORY": str(sockdir)}
-            expanded = await ctl("--config", "other.toml", "ping", cwd=sockdir, env=env)
-        unset = await ctl("--config", "other.toml", "ping", cwd=sockdir)
+        (short_tmp / "config.toml").write_text("[store]\n")
+        (short_tmp / "other.toml").write_text('[daemon]\nsocket = "$RUNTIME_DIRECTORY/w.sock"\n')
+        async with serving(backend, short_tmp / "state" / "workflowd.sock"):
+            default = await ctl("ping", cwd=short_tmp)
+        async with serving(backend, short_tmp / "w.sock"):
+            env = {"RUNTIME_DIRECTORY": str(short_tmp)}
+            expanded = await ctl("--config", "other.toml", "ping", cwd=short_tmp, env=env)
+        unset = await ctl("--config", "other.toml", "ping", cwd=short_tmp)
         assert out(default).startswith("workflowd ")
         assert out(expanded).startswith("workflowd ")
         assert unset.returncode == 2 and b"RUNTIME_DIRECTORY" in unset.stderr
 
-    async def test_missing_config(self, sockdir: Path) -> None:
+    async def test_missing_config(self, short_tmp: Path) -> None:
         """No socket option, variable or config file exits 2 and says what to pass."""
-        done = await ctl("ping", cwd=sockdir)
+        done = await ctl("ping", cwd=short_tmp)
         assert done.returncode == 2 and b"--socket" in done.stderr
 
 
 class TestLogs:
-    async def test_recent(self, backend: MemoryBackend, sockdir: Path) -> None:
+    async def test_recent(self, backend: MemoryBackend, short_tmp: Path) -> None:
         """Logs prints the kept records of one workflow, one per line."""
         backend.emit("step_done", workflow_id="wf-1", step="a", level="info")
         backend.emit("other", workflow_id="wf-2")
-        async with running(backend, sockdir / "s") as path:
+        async with serving(backend, short_tmp / "s") as path:
             text = out(await ctl("--socket", str(path), "logs", "--workflow", "wf-1"))
             raw = out(await ctl("--socket", str(path), "logs", "--json"))
         assert text == "info    step_done workflow_id=wf-1 step=a\n"
@@ -200,10 +198,10 @@ class TestLogs:
             "other",
         ]
 
-    async def test_follow_until_interrupted(self, backend: MemoryBackend, sockdir: Path) -> None:
+    async def test_follow_until_interrupted(self, backend: MemoryBackend, short_tmp: Path) -> None:
         """logs -f prints new records as they come and exits 130 quietly on Ctrl-C."""
         backend.emit("before")
-        async with running(backend, sockdir / "s") as path:
+        async with serving(backend, short_tmp / "s") as path:
             argv = [sys.executable, "-m", "daemon.control.ctl", "--socket", str(path), "logs", "-f"]
             async with await anyio.open_process(argv, cwd=REPO) as process:
                 assert process.stdout is not None and process.stderr is not None

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import anyio
 
-from tests.harness import REPO, Daemon, run_workflowd, running_daemon, wait_status, write_config
+from tests.helpers.harness import REPO, Daemon, run_workflowd, running_daemon, write_config
+from tests.helpers.wait import wait_status
 
 MODULES = ["tests.workflows.e2e"]
 

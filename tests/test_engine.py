@@ -43,7 +43,7 @@ from daemon import (
     resume,
     validate,
 )
-from tests.support import Driver, Recorder
+from tests.helpers.support import Driver, Recorder
 
 
 @dataclass

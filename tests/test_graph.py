@@ -25,7 +25,7 @@ from daemon import (
 )
 from daemon.core.state import EventStatus, WorkflowStatus
 from daemon.ops.graph import render
-from tests.support import Driver, Recorder
+from tests.helpers.support import Driver, Recorder
 
 SIGNAL = Recorder(type="signal")
 TIMER = Recorder(type="timer")

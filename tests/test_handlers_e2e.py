@@ -7,12 +7,11 @@ needs it); the rest run a real `workflowd` process. Files, inotify and sockets a
 from __future__ import annotations
 
 import json
-import os
 import socket
 import sqlite3
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -26,8 +25,9 @@ from daemon.clock import FakeClock
 from daemon.errors import CallbackNotFound, StaleCallback
 from daemon.runtime.runtime import Runtime
 from daemon.store.sqlite import Store
-from tests.harness import Daemon, running_daemon, wait_status
-from tests.support import settled
+from tests.helpers.harness import Daemon, running_daemon
+from tests.helpers.probes import exchange, fds, unix_bound, unix_listening
+from tests.helpers.wait import until, wait_runtime_status, wait_status
 from tests.workflows.handler import Guarded, Race
 
 MODULES = ["tests.workflows.handler"]
@@ -41,64 +41,9 @@ async def running(db: Path, clock: FakeClock | None = None) -> AsyncIterator[Run
         yield rt
 
 
-async def until(cond: Callable[[], bool], limit_s: float = 10.0) -> None:
-    """Poll a condition on files, fds or the runtime until it holds (bounded)."""
-    with anyio.fail_after(limit_s):
-        while not cond():  # noqa: ASYNC110 - /proc and the file system have no event to await
-            await anyio.sleep(0.01)
-
-
-def fds(pid: int | str = "self") -> Counter[str]:
-    """Count a process's open inotify and socket file descriptors."""
-    kinds: Counter[str] = Counter()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue  # closed while listing
-        if target == "anon_inode:inotify":
-            kinds["inotify"] += 1
-        elif target.startswith("socket:"):
-            kinds["socket"] += 1
-    return kinds
-
-
-def unix_sockets(path: Path) -> list[int]:
-    """Return the flags of every socket in this network namespace bound to `path`."""
-    with open("/proc/net/unix") as f:
-        rows = [line.split() for line in f.readlines()[1:]]
-    return [int(row[3], 16) for row in rows if row[7:] == [str(path)]]
-
-
-def unix_bound(path: Path) -> bool:
-    """Tell whether any socket (listening, accepted or just bound) still holds `path`."""
-    return bool(unix_sockets(path))
-
-
-def unix_listening(path: Path) -> bool:
-    """Tell whether a socket listens on `path` (flag __SO_ACCEPTCON), so a connect succeeds."""
-    return any(flags & 0x10000 for flags in unix_sockets(path))
-
-
 def listen_tasks() -> int:
     """Count the runtime's listen tasks still running in this event loop."""
     return sum(1 for t in anyio.get_running_tasks() if (t.name or "").endswith("Arms._listen"))
-
-
-async def exchange(path: Path | None = None, port: int | None = None, line: bytes = b"") -> Any:
-    """Connect to a SocketListen, send one line and return its JSON reply."""
-    with anyio.fail_after(10):
-        stream: anyio.abc.SocketStream
-        if path is not None:
-            stream = await anyio.connect_unix(path)
-        else:
-            stream = await anyio.connect_tcp("127.0.0.1", port or 0)
-        async with stream:
-            await stream.send(line + b"\n")
-            data = b""
-            while not data.endswith(b"\n"):
-                data += await stream.receive()
-    return json.loads(data)
 
 
 def free_port() -> int:
@@ -117,10 +62,10 @@ class TestTimer:
         async with running(tmp_path / "wf.db", clock) as rt:
             start = clock.now()
             await rt.start("Guarded", "t", {"kind": "timer", "after": 60})
-            await settled(rt, "t", "Waiting")
+            await wait_runtime_status(rt, "t", "Waiting")
             assert len(rt.arms) == 1
             clock.advance(61)
-            shown = await settled(rt, "t", "Finished")
+            shown = await wait_runtime_status(rt, "t", "Finished")
             assert shown["data"]["ran"] == ["it"]
             assert shown["data"]["seen"]["got"] == {"deadline": start + 60, "fired_at": start + 61}
             assert len(rt.arms) == 0
@@ -130,9 +75,9 @@ class TestTimer:
         clock = FakeClock()
         async with running(tmp_path / "wf.db", clock) as rt:
             await rt.start("Guarded", "t", {"kind": "timer", "after": 60})
-            await settled(rt, "t", "Waiting")
+            await wait_runtime_status(rt, "t", "Waiting")
             assert await rt.send("t", "stop", "done") == "stopped: done"
-            await settled(rt, "t", "Finished")
+            await wait_runtime_status(rt, "t", "Finished")
             assert len(rt.arms) == 0
             clock.advance(3600)
             await anyio.sleep(0.05)  # give a wrongly armed timer the chance to fire
@@ -144,9 +89,9 @@ class TestTimer:
         async with running(tmp_path / "wf.db", FakeClock()) as rt:
             await rt.start("Race", "r", {"rounds": 300, "after": 86400})
             for n in range(300):
-                await settled(rt, "r", "Waiting")
+                await wait_runtime_status(rt, "r", "Waiting")
                 assert await rt.send("r", "poke") == n
-            await settled(rt, "r", "Finished")
+            await wait_runtime_status(rt, "r", "Finished")
             assert len(rt.arms) == 0
             assert len(rt.arms._heap) < 100  # the heap itself: stale entries are what leaks
 
@@ -156,10 +101,10 @@ class TestTimer:
         async with running(db, clock) as rt:
             start = clock.now()
             await rt.start("Guarded", "t", {"kind": "timer", "after": 60})
-            await settled(rt, "t", "Waiting")
+            await wait_runtime_status(rt, "t", "Waiting")
         clock.advance(7200)
         async with running(db, clock) as rt:
-            shown = await settled(rt, "t", "Finished")
+            shown = await wait_runtime_status(rt, "t", "Finished")
             assert shown["data"]["ran"] == ["it"]
             assert shown["data"]["seen"]["got"]["deadline"] == start + 60
 
@@ -174,10 +119,10 @@ class TestFileWatch:
         base = fds()["inotify"]
         async with running(tmp_path / "wf.db") as rt:
             await rt.start("Guarded", "f", {"kind": "file", "path": str(target)})
-            await settled(rt, "f", "Waiting")
+            await wait_runtime_status(rt, "f", "Waiting")
             await until(lambda: fds()["inotify"] == base + 1)
             target.write_text("hi")
-            shown = await settled(rt, "f", "Finished")
+            shown = await wait_runtime_status(rt, "f", "Finished")
             assert shown["data"]["seen"]["got"] == {"path": str(target), "change": "created"}
             await until(lambda: fds()["inotify"] == base and listen_tasks() == 0)
             assert len(rt.arms) == 0
@@ -188,10 +133,10 @@ class TestFileWatch:
         base = fds()["inotify"]
         async with running(tmp_path / "wf.db") as rt:
             await rt.start("Guarded", "f", {"kind": "file", "path": str(target)})
-            await settled(rt, "f", "Waiting")
+            await wait_runtime_status(rt, "f", "Waiting")
             await until(lambda: fds()["inotify"] == base + 1)
             await rt.send("f", "stop", "done")
-            await settled(rt, "f", "Finished")
+            await wait_runtime_status(rt, "f", "Finished")
             assert len(rt.arms) == 0
             await until(lambda: fds()["inotify"] == base and listen_tasks() == 0)
             target.write_text("late")
@@ -207,13 +152,13 @@ class TestFileWatch:
             target.write_text("before")
         async with running(db) as rt:
             await rt.start("Guarded", "f", {"kind": "file", "path": str(target), "on": on})
-            await settled(rt, "f", "Waiting")
+            await wait_runtime_status(rt, "f", "Waiting")
         if on == "deleted":
             target.unlink()
         else:
             target.write_text("changed while down")
         async with running(db) as rt:
-            shown = await settled(rt, "f", "Finished")
+            shown = await wait_runtime_status(rt, "f", "Finished")
             assert shown["data"]["seen"]["got"] == {"path": str(target), "change": on}
 
     async def test_exists_true_at_restart_fires(self, tmp_path: Path) -> None:
@@ -221,10 +166,10 @@ class TestFileWatch:
         db, target = tmp_path / "wf.db", tmp_path / "flag"
         async with running(db) as rt:
             await rt.start("Guarded", "f", {"kind": "file", "path": str(target), "on": "exists"})
-            await settled(rt, "f", "Waiting")
+            await wait_runtime_status(rt, "f", "Waiting")
         target.touch()
         async with running(db) as rt:
-            shown = await settled(rt, "f", "Finished")
+            shown = await wait_runtime_status(rt, "f", "Finished")
             assert shown["data"]["seen"]["got"] == {"path": str(target), "change": "exists"}
 
 
@@ -239,7 +184,7 @@ class TestSocketListen:
             await rt.start("Guarded", "s", {"kind": "socket", "path": str(sock)})
             await until(lambda: unix_listening(sock))
             assert await exchange(sock, line=b'{"a": 1}') == {"ok": True, "result": {"a": 1}}
-            shown = await settled(rt, "s", "Finished")
+            shown = await wait_runtime_status(rt, "s", "Finished")
             assert shown["data"]["seen"]["got"] == {"a": 1}
             await until(lambda: listen_tasks() == 0 and fds()["socket"] == base)
             assert not sock.exists() and not unix_bound(sock)
@@ -252,7 +197,7 @@ class TestSocketListen:
             await rt.start("Guarded", "s", {"kind": "socket", "path": str(sock)})
             await until(lambda: unix_listening(sock))
             await rt.send("s", "stop", "done")
-            await settled(rt, "s", "Finished")
+            await wait_runtime_status(rt, "s", "Finished")
             assert len(rt.arms) == 0
             await until(lambda: listen_tasks() == 0 and fds()["socket"] == base)
             assert not sock.exists() and not unix_bound(sock)
@@ -286,11 +231,11 @@ class TestSocketListen:
         async with running(tmp_path / "wf.db") as rt:
             await rt.start("Guarded", "a", {"kind": "socket", "port": port})
             assert await _tcp_exchange(port, b"plain text") == {"ok": True, "result": "plain text"}
-            assert (await settled(rt, "a", "Finished"))["data"]["ran"] == ["it"]
+            assert (await wait_runtime_status(rt, "a", "Finished"))["data"]["ran"] == ["it"]
             await rt.start("Guarded", "b", {"kind": "socket", "port": port})
             await _tcp_ready(port)
             await rt.send("b", "stop", "done")
-            await settled(rt, "b", "Finished")
+            await wait_runtime_status(rt, "b", "Finished")
             await until(lambda: listen_tasks() == 0)
             with pytest.raises(OSError):
                 await anyio.connect_tcp("127.0.0.1", port)
@@ -305,7 +250,7 @@ class TestSocketListen:
         async with running(db) as rt:
             await until(lambda: unix_listening(sock))
             assert await exchange(sock, line=b"7") == {"ok": True, "result": 7}
-            assert (await settled(rt, "s", "Finished"))["data"]["ran"] == ["it"]
+            assert (await wait_runtime_status(rt, "s", "Finished"))["data"]["ran"] == ["it"]
 
 
 async def _tcp_ready(port: int) -> None:
@@ -334,12 +279,12 @@ class TestSignal:
         async with running(tmp_path / "wf.db") as rt:
             await rt.start("Guarded", "a")
             assert await rt.send("a", "it", [1]) == {"echo": [1]}
-            assert (await settled(rt, "a", "Finished"))["data"]["ran"] == ["it"]
+            assert (await wait_runtime_status(rt, "a", "Finished"))["data"]["ran"] == ["it"]
             await rt.start("Guarded", "b")
             await rt.send("b", "stop", "done")
             with pytest.raises(CallbackNotFound):
                 await rt.send("b", "it", [2])
-            assert (await settled(rt, "b", "Finished"))["data"]["ran"] == ["stop"]
+            assert (await wait_runtime_status(rt, "b", "Finished"))["data"]["ran"] == ["stop"]
 
 
 class TestLateEvent:
@@ -353,12 +298,12 @@ class TestLateEvent:
         async with running(tmp_path / "wf.db") as rt, anyio.create_task_group() as tg:
             await rt.start("Guarded", "s", slow)
             await until(lambda: unix_listening(sock))
-            await settled(rt, "s", "Waiting")  # no actor left from the start
+            await wait_runtime_status(rt, "s", "Waiting")  # no actor left from the start
             tg.start_soon(rt.send, "s", "stop", "first")
             await until(lambda: "s" in rt.actors)  # stop is being handled
             reply = await exchange(sock, line=b"1")
             assert reply["ok"] is False and reply["error"]["code"] in ("not_found", "stale")
-            assert (await settled(rt, "s", "Finished"))["data"]["ran"] == ["stop"]
+            assert (await wait_runtime_status(rt, "s", "Finished"))["data"]["ran"] == ["stop"]
             await until(lambda: listen_tasks() == 0 and fds() == base)
             assert not sock.exists() and not unix_bound(sock)
 
@@ -370,11 +315,11 @@ class TestLateEvent:
         async with running(tmp_path / "wf.db") as rt, anyio.create_task_group() as tg:
             await rt.start("Guarded", "f", slow)
             await until(lambda: fds()["inotify"] == base["inotify"] + 1)
-            await settled(rt, "f", "Waiting")  # no actor left from the start
+            await wait_runtime_status(rt, "f", "Waiting")  # no actor left from the start
             tg.start_soon(rt.send, "f", "stop", "first")
             await until(lambda: "f" in rt.actors)  # stop is being handled
             target.write_text("now")
-            assert (await settled(rt, "f", "Finished"))["data"]["ran"] == ["stop"]
+            assert (await wait_runtime_status(rt, "f", "Finished"))["data"]["ran"] == ["stop"]
             await until(lambda: listen_tasks() == 0 and fds() == base)
 
 

@@ -8,7 +8,7 @@ import structlog
 
 from daemon import Break, For, Go, If, On, Return, S, Section, Step, Wait, WaitFor, Workflow
 from daemon.core.lint import Finding, lint, lint_workflow, log_findings
-from tests.support import Recorder
+from tests.helpers.support import Recorder
 
 SIGNAL = Recorder(type="signal")
 TIMER = Recorder(type="timer")

@@ -6,7 +6,7 @@ import io
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -16,20 +16,8 @@ import structlog
 
 from daemon.service.log import LogHub, configure_logging, set_level
 
-
-@pytest.fixture(autouse=True)
-def restore_logging() -> Iterator[None]:
-    """Undo configure_logging so other tests see structlog's defaults."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    set_level("info")
-    structlog.reset_defaults()
-    for handler in root.handlers:
-        if handler not in handlers:
-            root.removeHandler(handler)
-    root.setLevel(level)
-    logging.getLogger("aiosqlite").setLevel(logging.NOTSET)
+# Every test here configures logging; the fixture (tests/conftest.py) undoes it afterwards.
+pytestmark = pytest.mark.usefixtures("restore_logging")
 
 
 def lines(stream: io.StringIO) -> list[dict[str, Any]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import errno
 import sqlite3
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -12,8 +12,10 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.harness import Client, Daemon, running_daemon, wait_status, write_config
-from tests.torture import MODULES, Plan, torture
+from tests.helpers.client import Client
+from tests.helpers.harness import Daemon, running_daemon, write_config
+from tests.helpers.torture import MODULES, Plan, torture
+from tests.helpers.wait import logged, shown_when, wait_status
 
 
 class TestCrashTorture:
@@ -25,24 +27,6 @@ class TestCrashTorture:
         assert report.problems == []
         assert report.kills == 5 and report.graceful >= 1
         assert report.acked_sends > 0 and report.steps > 0
-
-
-async def logged(
-    d: Daemon, event: str, count: int = 1, limit_s: float = 20, **match: Any
-) -> list[dict[str, Any]]:
-    """Poll the daemon's log (bounded) until `event` (with `match`) was logged `count` times."""
-    with anyio.fail_after(limit_s):
-        while True:
-            found = [
-                r
-                for r in d.records()
-                if r.get("event") == event and all(r.get(k) == v for k, v in match.items())
-            ]
-            if len(found) >= count:
-                return found
-            if d.proc is not None and d.proc.poll() is not None:
-                raise AssertionError(f"workflowd died waiting for {event}:\n{d.output()}")
-            await anyio.sleep(0.02)
 
 
 class TestHangingStep:
@@ -105,18 +89,6 @@ def waits_of(shown: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Return a shown workflow's wait events by event name."""
     threads = shown["state"]["threads"]
     return {ev["req"]["name"]: ev for t in threads for ev in t["wait_events"]}
-
-
-async def shown_when(
-    c: Client, workflow_id: str, check: Callable[[dict[str, Any]], bool], limit_s: float = 20
-) -> dict[str, Any]:
-    """Poll `show` (bounded) until `check` holds for the workflow; return it."""
-    with anyio.fail_after(limit_s):
-        while True:
-            shown: dict[str, Any] = await c.call("show", workflow_id=workflow_id)
-            if check(shown):
-                return shown
-            await anyio.sleep(0.02)
 
 
 class TestHandlerFailures:

@@ -4,37 +4,27 @@ hold and gc."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
-import pytest
 
 from daemon.control.server import Repairs
 from daemon.runtime.runtime import Runtime
-from tests.harness import REPO, Client, Daemon, running_daemon, wait_status, write_config
-from tests.support import eventually
+from tests.helpers.client import Client
+from tests.helpers.harness import REPO, Daemon, running_daemon, write_config
+from tests.helpers.wait import eventually, wait_status
 
 MODULES = ["tests.workflows.repair"]
 
 
 def _conforms(rt: Runtime) -> Repairs:
     return rt  # mypy checks here that the runtime offers every repair op
-
-
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    """A short folder under /tmp (socket paths are limited to 107 bytes)."""
-    path = Path(tempfile.mkdtemp(prefix="wfd-rep-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 class HeldDaemon(Daemon):

@@ -31,8 +31,7 @@ from daemon.errors import Conflict, HandlerRejected, UnknownWorkflowType, Workfl
 from daemon.runtime.runtime import Runtime, Settings
 from daemon.store.sqlite import Store
 from handlers import Signal, Timer
-from tests.support import eventually
-from tests.support import settled as until
+from tests.helpers.wait import eventually, wait_runtime_status
 
 
 @dataclass
@@ -152,7 +151,7 @@ class TestStart:
         async with running(tmp_path / "wf.db") as rt:
             res = await rt.start("Counter", "c1", {"upto": 3})
             assert res["workflow_id"] == "c1"
-            shown = await until(rt, "c1", "Finished")
+            shown = await wait_runtime_status(rt, "c1", "Finished")
             assert shown["data"] == {"upto": 3, "i": 3}
             kinds = [h["kind"] for h in await rt.history("c1")]
             assert kinds.count("step_done") == 3
@@ -194,7 +193,7 @@ class TestCallbacks:
             await rt.start("Approval", "a1")
             out = await rt.send("a1", "decision", {"decision": "yes"})
             assert out == "recorded yes"
-            shown = await until(rt, "a1", "Finished")
+            shown = await wait_runtime_status(rt, "a1", "Finished")
             assert shown["data"]["log"] == ["asked", "applied"]
 
     async def test_send_right_after_start_does_not_race(self, tmp_path: Path) -> None:
@@ -224,11 +223,11 @@ class TestCallbacks:
         db = tmp_path / "wf.db"
         async with running(db) as rt:
             await rt.start("Approval", "a1")
-            await until(rt, "a1", "Waiting")
+            await wait_runtime_status(rt, "a1", "Waiting")
         async with Store.open(db) as store:
             await store.inbox_put("a1", "decision", {"decision": "later"})
         async with running(db) as rt:
-            shown = await until(rt, "a1", "Finished")
+            shown = await wait_runtime_status(rt, "a1", "Finished")
             assert shown["data"]["decision"] == "later"
             assert await rt.store.inbox_pending() == []
 
@@ -236,11 +235,11 @@ class TestCallbacks:
         """Each thread gets its own event; main finishing ends the workflow."""
         async with running(tmp_path / "wf.db") as rt:
             await rt.start("Parallel", "p")
-            await until(rt, "p", "Waiting")
+            await wait_runtime_status(rt, "p", "Waiting")
             assert sorted((await rt.list())[0]["waiting_for"]) == ["finish", "work"]
             await rt.send("p", "work")
             await rt.send("p", "finish")
-            shown = await until(rt, "p", "Finished")
+            shown = await wait_runtime_status(rt, "p", "Finished")
             assert shown["data"]["got"] == ["w", "m"]
 
 
@@ -252,10 +251,10 @@ class TestTimers:
         clock = FakeClock()
         async with running(tmp_path / "wf.db", clock) as rt:
             await rt.start("Approval", "a1")
-            await until(rt, "a1", "Waiting")
+            await wait_runtime_status(rt, "a1", "Waiting")
             assert len(rt.arms) == 1
             clock.advance(3601)
-            shown = await until(rt, "a1", "Finished")
+            shown = await wait_runtime_status(rt, "a1", "Finished")
             assert shown["data"]["log"] == ["asked", "expired"]
             assert len(rt.arms) == 0
             with pytest.raises(CallbackNotFound):
@@ -267,10 +266,10 @@ class TestTimers:
         clock = FakeClock()
         async with running(db, clock) as rt:
             await rt.start("Approval", "a1")
-            await until(rt, "a1", "Waiting")
+            await wait_runtime_status(rt, "a1", "Waiting")
         clock.advance(7200)
         async with running(db, clock) as rt:
-            shown = await until(rt, "a1", "Finished")
+            shown = await wait_runtime_status(rt, "a1", "Finished")
             assert shown["data"]["log"] == ["asked", "expired"]
 
 
@@ -296,7 +295,7 @@ class TestRetry:
                 return FAILS["a"] >= 3
 
             await eventually(advanced)
-            shown = await until(rt, "f", "Finished")
+            shown = await wait_runtime_status(rt, "f", "Finished")
             assert shown["data"]["done"] is True
             failed = [h for h in await rt.history("f") if h["kind"] == "step_failed"]
             assert [h["attempt"] for h in failed] == [1, 2]
@@ -320,7 +319,7 @@ class TestRetry:
         FAILS.clear()
         async with running(tmp_path / "wf.db") as rt:
             await rt.start("Flaky", "f", {"key": "c", "fatal": True})
-            shown = await until(rt, "f", "Failed")
+            shown = await wait_runtime_status(rt, "f", "Failed")
             assert FAILS["c"] == 1
             assert "no point retrying" in shown["error"]
 
@@ -332,7 +331,7 @@ class TestCancel:
         """A waiting workflow is cancelled, its timer disarmed, and later sends are refused."""
         async with running(tmp_path / "wf.db") as rt:
             await rt.start("Approval", "a1")
-            await until(rt, "a1", "Waiting")
+            await wait_runtime_status(rt, "a1", "Waiting")
             res = await rt.cancel("a1")
             assert res["status"] == "Cancelled"
             assert len(rt.arms) == 0
@@ -367,10 +366,10 @@ class TestRecovery:
         db = tmp_path / "wf.db"
         async with running(db) as rt:
             await rt.start("Approval", "a1")
-            await until(rt, "a1", "Waiting")
+            await wait_runtime_status(rt, "a1", "Waiting")
         async with running(db) as rt:
             assert await rt.send("a1", "decision", {"decision": "late"}) == "recorded late"
-            await until(rt, "a1", "Finished")
+            await wait_runtime_status(rt, "a1", "Finished")
 
     async def test_corrupt_row_skipped(self, tmp_path: Path) -> None:
         """A row with invalid JSON is marked with an error; the others are served."""
@@ -378,8 +377,8 @@ class TestRecovery:
         async with running(db) as rt:
             await rt.start("Approval", "bad")
             await rt.start("Approval", "good")
-            await until(rt, "good", "Waiting")
-            await until(rt, "bad", "Waiting")
+            await wait_runtime_status(rt, "good", "Waiting")
+            await wait_runtime_status(rt, "bad", "Waiting")
         with sqlite3.connect(db) as conn:
             conn.execute("UPDATE workflows SET state = '{not json' WHERE id = 'bad'")
         async with running(db) as rt:
@@ -392,7 +391,7 @@ class TestRecovery:
         """A definition that does not validate fails the workflow with the reason."""
         async with running(tmp_path / "wf.db") as rt:
             await rt.start("Broken", "b")
-            shown = await until(rt, "b", "Failed")
+            shown = await wait_runtime_status(rt, "b", "Failed")
             assert "cases must be On" in shown["error"]
 
     async def test_group_commit_under_concurrency(self, tmp_path: Path) -> None:
@@ -401,7 +400,7 @@ class TestRecovery:
             for n in range(50):
                 await rt.start("Counter", f"c{n}", {"upto": 10})
             for n in range(50):
-                await until(rt, f"c{n}", "Finished")
+                await wait_runtime_status(rt, f"c{n}", "Finished")
             assert rt.store.stats.commits < rt.store.stats.writes
 
 
@@ -470,9 +469,9 @@ class TestTeardownRetry:
         db = tmp_path / "wf.db"
         async with running(db) as rt:
             await rt.start("Leaves", "l")
-            await until(rt, "l", "Waiting")
+            await wait_runtime_status(rt, "l", "Waiting")
             await rt.send("l", "finish")
-            shown = await until(rt, "l", "Finished")
+            shown = await wait_runtime_status(rt, "l", "Finished")
             (thread,) = shown["state"]["threads"]
             assert thread["wait_events"][0]["status"] == "TeardownError"
             assert await rt.janitor.sweep() == 1  # still broken: kept, counted
@@ -489,9 +488,9 @@ class TestTeardownRetry:
         db = tmp_path / "wf.db"
         async with running(db) as rt:
             await rt.start("Leaves", "l")
-            await until(rt, "l", "Waiting")
+            await wait_runtime_status(rt, "l", "Waiting")
             await rt.send("l", "finish")
-            await until(rt, "l", "Finished")
+            await wait_runtime_status(rt, "l", "Finished")
         Sticky.broken = False
         async with running(db) as rt:
 

@@ -20,8 +20,9 @@ import structlog
 
 from daemon.service import journal
 from daemon.service.log import configure_logging
-from tests.harness import REPO, Client, Daemon, connect, running_daemon, wait_status, write_config
-from tests.test_log import restore_logging  # noqa: F401 - a fixture, used by name
+from tests.helpers.client import Client, connect
+from tests.helpers.harness import REPO, Daemon, running_daemon, write_config
+from tests.helpers.wait import wait_status
 from tests.workflows import service as versions
 
 MODULE = "svc_flows"  # written into each test's tmp_path, so every test has its own copy

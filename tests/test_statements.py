@@ -34,7 +34,7 @@ from daemon import (
     walk,
 )
 from daemon.core.statements import Definition, truth
-from tests.support import Recorder
+from tests.helpers.support import Recorder
 
 REC = Recorder()
 TIMER = Recorder(type="timer")

@@ -26,7 +26,9 @@ import anyio
 import anyio.abc
 import msgspec
 
-from tests.harness import Client, Daemon, wait_status, write_config
+from tests.helpers.client import Client
+from tests.helpers.harness import Daemon, write_config
+from tests.helpers.wait import wait_status
 
 BUDGET_S = 60.0
 IDLE = 1000

@@ -1,18 +1,15 @@
-"""Shared test doubles: a Recorder handler and an in-memory driver for the engine."""
+"""In-process test doubles: a Recorder handler, an in-memory driver for the engine, marks."""
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-import anyio
 import pytest
 
 from daemon import CallbackRequest, CheckpointType, State, Workflow, handle_callback, resume
-from daemon.runtime.runtime import Runtime
 
 
 @dataclass
@@ -71,38 +68,6 @@ class Driver(Generic[W]):
         await self.resume()
         return out
 
-
-async def eventually(check: Callable[[], Awaitable[bool]], limit_s: float = 10.0) -> None:
-    """Poll an async condition until it holds, failing after `limit_s` seconds."""
-    with anyio.fail_after(limit_s):
-        while True:
-            if await check():
-                return
-            await anyio.sleep(0.01)
-
-
-async def settled(rt: Runtime, wid: str, status: str) -> dict[str, Any]:
-    """Wait (bounded) until a workflow of an in-process runtime reaches `status`; return `show`."""
-    with anyio.fail_after(10):
-        while True:
-            await rt.wait_idle()
-            shown = await rt.show(wid)
-            if shown["status"] == status:
-                return shown
-            await anyio.sleep(0.01)
-
-
-#: A client, run as another user, that pings the socket at argv[1] and prints the reply line.
-PING_CHILD = """
-import socket, sys
-s = socket.socket(socket.AF_UNIX)
-s.connect(sys.argv[1])
-try:
-    s.sendall(b'{"op": "ping", "id": 1}\\n')
-except BrokenPipeError:
-    pass  # a refused client is told so at once; the reply is still there to read
-print(s.makefile("rb").readline().decode(), end="")
-"""
 
 #: Tests that drop privileges to another uid with setpriv.
 needs_root = pytest.mark.skipif(

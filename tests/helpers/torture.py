@@ -21,7 +21,8 @@ from typing import Any
 
 import anyio
 
-from tests.harness import Client, Daemon, write_config
+from tests.helpers.client import Client
+from tests.helpers.harness import Daemon, write_config
 from tests.workflows.torture import FLAKY_EVERY
 
 MODULES = ["tests.workflows.torture"]

@@ -1,8 +1,7 @@
-"""Runs a real `workflowd` process for end-to-end tests, with a small async protocol client."""
+"""Runs a real `workflowd` process for end-to-end tests: its config, start, stop and log."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import signal
@@ -14,46 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import anyio.abc
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers.client import Client, connect
 
-
-class Client:
-    """One JSON-lines connection to the control socket; requests answered in order."""
-
-    def __init__(self, stream: anyio.abc.SocketStream) -> None:
-        self.stream = stream
-        self.buffer = b""
-        self.ids = itertools.count(1)
-
-    async def request(self, op: str, **fields: Any) -> dict[str, Any]:
-        """Send one request and return its response object."""
-        rid = next(self.ids)
-        await self.stream.send(json.dumps({"id": rid, "op": op, **fields}).encode() + b"\n")
-        return await self.read()
-
-    async def read(self) -> dict[str, Any]:
-        """Read the next response line."""
-        while b"\n" not in self.buffer:
-            chunk = await self.stream.receive(65536)
-            self.buffer += chunk
-        line, _, self.buffer = self.buffer.partition(b"\n")
-        response: dict[str, Any] = json.loads(line)
-        return response
-
-    async def call(self, op: str, **fields: Any) -> Any:
-        """Send a request and return its result, failing the test on an error response."""
-        response = await self.request(op, **fields)
-        assert response["ok"], response
-        return response["result"]
-
-
-@asynccontextmanager
-async def connect(socket_path: Path) -> AsyncIterator[Client]:
-    """Open a client connection."""
-    async with await anyio.connect_unix(socket_path) as stream:
-        yield Client(stream)
+#: The checkout: test daemons import the fixture workflows (tests.workflows.*) from here.
+REPO = Path(__file__).resolve().parents[2]
 
 
 def write_config(tmp: Path, modules: list[str], **sections: dict[str, Any]) -> Path:
@@ -171,13 +135,3 @@ async def running_daemon(
                 await d.stop()
             except TimeoutError:
                 await d.kill()
-
-
-async def wait_status(c: Client, workflow_id: str, *statuses: str, limit_s: float = 20) -> Any:
-    """Poll `show` (bounded) until the workflow reaches one of `statuses`."""
-    with anyio.fail_after(limit_s):
-        while True:
-            shown = await c.call("show", workflow_id=workflow_id)
-            if shown["status"] in statuses:
-                return shown
-            await anyio.sleep(0.02)
