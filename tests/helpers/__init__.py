@@ -8,3 +8,8 @@
 - `probes`: descriptors and Unix sockets a process holds (/proc), a SocketListen client.
 - `torture`: the crash-torture driver shared by tests/e2e and tests/benchmarks.
 """
+
+from pathlib import Path
+
+#: The checkout (the folder holding daemon/, handlers/, tests/ and config.toml).
+REPO = Path(__file__).resolve().parents[2]

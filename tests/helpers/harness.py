@@ -14,10 +14,10 @@ from typing import Any
 
 import anyio
 
+from tests.helpers import REPO
 from tests.helpers.client import Client, connect
 
-#: The checkout: test daemons import the fixture workflows (tests.workflows.*) from here.
-REPO = Path(__file__).resolve().parents[2]
+__all__ = ["REPO", "Daemon", "run_workflowd", "running_daemon", "write_config"]
 
 
 def write_config(tmp: Path, modules: list[str], **sections: dict[str, Any]) -> Path:

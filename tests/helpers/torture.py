@@ -1,10 +1,10 @@
 """Crash torture: drive a real workflowd under load, SIGKILL it at random moments, check the data.
 
-Shared by tests/test_reliability.py (a short run) and tests/benchmarks/bench_torture.py (a long
-one). `torture(tmp, plan)` starts the daemon on a state folder of its own, starts the workflows
-of tests/workflows/torture.py through the control socket, sends signals and socket messages
-while a killer task SIGKILLs (now and then SIGTERMs) and restarts the daemon, waits for every
-workflow to finish, stops the daemon and returns a Report whose `problems` must be empty.
+Shared by tests/e2e/test_reliability.py (a short run) and tests/benchmarks/bench_torture.py (a
+long one). `torture(tmp, plan)` starts the daemon on a state folder of its own, starts the
+workflows of tests/workflows/torture.py through the control socket, sends signals and socket
+messages while a killer task SIGKILLs (now and then SIGTERMs) and restarts the daemon, waits for
+every workflow to finish, stops the daemon and returns a Report whose `problems` must be empty.
 """
 
 from __future__ import annotations

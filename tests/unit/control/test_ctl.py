@@ -18,7 +18,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from daemon.control.ctl import build_parser, build_request, cell, show, table
 from daemon.control.protocol import Cancel, History, List, Logs, Ping, Send, Show, Start
-from tests.helpers.harness import REPO
+from tests.helpers import REPO
 from tests.helpers.memory import MemoryBackend, serving
 
 

@@ -15,8 +15,7 @@ from daemon.clock import FakeClock, use_clock
 from daemon.errors import ConfigError, StoreLocked, Unavailable, WorkflowNotFound
 from daemon.store import schema as schema_module
 from daemon.store.sqlite import MIGRATIONS, Store, WorkflowRow
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO
 
 
 def row(wid: str, status: str = "Resuming", name: str = "Demo") -> WorkflowRow:
@@ -152,7 +151,7 @@ class TestLock:
 
     async def open_elsewhere(self, db: Path) -> str:
         """Open the store in another process and return what it printed."""
-        result = await anyio.run_process([sys.executable, "-c", self.SCRIPT, str(db)], cwd=ROOT)
+        result = await anyio.run_process([sys.executable, "-c", self.SCRIPT, str(db)], cwd=REPO)
         return result.stdout.decode().strip()
 
     async def test_second_process_is_refused(self, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import daemon
 from daemon import S, Section, Step, ValidationError, Workflow
 from daemon.core.workflow import collect
 from daemon.errors import BadRequest
+from tests.helpers import REPO
 
 
 @dataclass
@@ -74,8 +75,7 @@ class TestCanary:
 
     def test_import_daemon_is_this_repo(self) -> None:
         """`daemon` resolves to this checkout's package and exports Workflow."""
-        repo = Path(__file__).resolve().parents[1]
-        assert Path(daemon.__file__ or "").resolve().parent == repo / "daemon"
+        assert Path(daemon.__file__ or "").resolve().parent == REPO / "daemon"
         assert daemon.Workflow is Workflow
 
 

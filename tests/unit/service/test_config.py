@@ -11,8 +11,7 @@ import pytest
 
 from daemon.errors import ConfigError
 from daemon.service.config import Config, import_workflow_modules, load_config, parse_config
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers import REPO
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -28,8 +28,8 @@ from daemon.control.sockfile import listener_from_systemd
 from daemon.errors import (
     Unavailable,
 )
+from tests.helpers import REPO
 from tests.helpers.client import ping_as_nobody
-from tests.helpers.harness import REPO
 from tests.helpers.memory import MemoryBackend, Record, serving
 from tests.helpers.support import needs_root
 from tests.helpers.wait import until
