@@ -16,10 +16,12 @@ from typing import Any
 import anyio
 import pytest
 
+from daemon import State
 from tests.helpers.client import Client, connect
 from tests.helpers.harness import REPO, Daemon, running_daemon, write_config
-from tests.helpers.wait import wait_status
+from tests.helpers.wait import settled, shown_when, wait_status
 from tests.workflows import service as versions
+from tests.workflows.e2e import Turnstile
 
 MODULE = "svc_flows"  # written into each test's tmp_path, so every test has its own copy
 
@@ -84,7 +86,8 @@ class TestNotify:
         async with running_daemon(tmp_path, [MODULE], **sections) as d, d.client() as c:
             for n in range(30):
                 await c.call("start", workflow="Gate", workflow_id=f"g{n}")
-            await wait_status(c, "g29", "Waiting")
+            for n in range(30):  # each started asynchronously: wait for all, not the last one
+                await wait_status(c, f"g{n}", "Waiting")
         notify = NotifySocket(tmp_path / "notify.sock")
         d = Daemon(tmp_path, write_config(tmp_path, [MODULE], **sections), notify.env())
         d.log = tmp_path / "second-run.log"  # only this run's records
@@ -96,6 +99,11 @@ class TestNotify:
             recovered = next(r for r in d.records() if r["event"] == "recovered")
             assert recovered["armed"] + recovered["resumed"] == 30
             async with d.client() as c:  # no retry: it must answer at once
+                first = await c.call("ping")
+                # Recovery has re-armed or resumed all 30; a resumed one may still be at work.
+                assert sum(first["workflows"].values()) == 30
+                assert set(first["workflows"]) <= {"Waiting", "Resuming"}
+                await settled(c)
                 assert (await c.call("ping"))["workflows"] == {"Waiting": 30}
             assert notify.seen == ["READY=1"]  # nothing else claimed readiness first
         finally:
@@ -272,6 +280,8 @@ class TestBackup:
         async with running_daemon(tmp_path, ["tests.workflows.e2e"]) as d, d.client() as c:
             for n in range(20):
                 await c.call("start", workflow="Turnstile", workflow_id=f"g{n}")
+            # The copy is taken while the workflows' 0.2 s ticker timers fire, so it is no
+            # snapshot of one status: what must hold is that every row is whole (below).
             dest = tmp_path / "backups" / "copy.db"
             dest.parent.mkdir()
             done = await workflowctl(d.socket, "backup", str(dest))
@@ -281,6 +291,12 @@ class TestBackup:
             assert again.returncode == 1 and b"conflict" in again.stderr
             onto_live = await workflowctl(d.socket, "backup", str(tmp_path / "wd.db"))
             assert onto_live.returncode == 1
+            # Quiet once every ticker fired: then all 20 wait for signals, and nothing moves.
+            for n in range(20):
+                await shown_when(
+                    c, f"g{n}", lambda s: s["status"] == "Waiting" and s["data"]["ticked"]
+                )
+            await settled(c)
             assert (await c.call("ping"))["workflows"] == {"Waiting": 20}
         assert sorted(os.listdir(dest.parent)) == ["copy.db"]  # no temporary file left
         db = sqlite3.connect(dest)
@@ -288,8 +304,22 @@ class TestBackup:
             assert db.execute("PRAGMA journal_mode").fetchone() == ("delete",)
             assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
             assert db.execute("SELECT COUNT(*) FROM workflows").fetchone() == (20,)
+            rows = db.execute("SELECT id, name, status, data, state FROM workflows").fetchall()
+            # History rows and their counter are written in one transaction with the state.
+            torn = db.execute(
+                "SELECT id FROM workflows w WHERE history_seq !="
+                " (SELECT COALESCE(MAX(seq), 0) FROM history h WHERE h.workflow_id = w.id)"
+            ).fetchall()
         finally:
             db.close()
+        assert sorted(wid for wid, *_ in rows) == sorted(f"g{n}" for n in range(20))
+        assert torn == []
+        for wid, name, status, data, state in rows:
+            assert name == "Turnstile"
+            wf, st = Turnstile.from_json(data), State.from_json(state)  # each row decodes whole
+            assert st.id == wid and st.status == status  # the status column matches its state
+            assert status in ("Resuming", "Waiting")  # no signal was sent: it cannot have ended
+            assert wf.got == []
 
     @pytest.mark.parametrize("path", ["relative.db"])
     async def test_relative_path_is_refused_by_the_daemon(self, tmp_path: Path, path: str) -> None:
