@@ -76,8 +76,12 @@ class TestTimer:
             assert await rt.send("t", "stop", "done") == "stopped: done"
             await wait_runtime_status(rt, "t", "Finished")
             assert len(rt.arms) == 0
+            # A witness timer due just after t's: once it has fired, the heap has handled every
+            # entry up to t's deadline, so a wrongly armed timer of t would have fired too.
+            await rt.start("Guarded", "witness", {"kind": "timer", "after": 61})
+            await wait_runtime_status(rt, "witness", "Waiting")
             clock.advance(3600)
-            await anyio.sleep(0.05)  # give a wrongly armed timer the chance to fire
+            await wait_runtime_status(rt, "witness", "Finished")
             await rt.wait_idle()
             assert (await rt.show("t"))["data"]["ran"] == ["stop"]
 
@@ -136,8 +140,12 @@ class TestFileWatch:
             await wait_runtime_status(rt, "f", "Finished")
             assert len(rt.arms) == 0
             await until(lambda: fds()["inotify"] == base and listen_tasks() == 0)
+            # A witness watching the same file: once the late write has reached it (through
+            # inotify and the same 50 ms debounce), a leftover watch of f had its chance too.
+            await rt.start("Guarded", "witness", {"kind": "file", "path": str(target)})
+            await until(lambda: fds()["inotify"] == base + 1)
             target.write_text("late")
-            await anyio.sleep(0.1)  # a leftover watch would deliver within its 50 ms debounce
+            await wait_runtime_status(rt, "witness", "Finished")
             await rt.wait_idle()
             assert (await rt.show("f"))["data"]["ran"] == ["stop"]
 
@@ -375,7 +383,9 @@ class TestRace:
                         if ev.req.name == "poke"
                     }
                     pcs.add(pc)
-                    await anyio.sleep((n % 8) / 1000)  # 0..7 ms around the 5 ms deadline
+                    await anyio.sleep(
+                        (n % 8) / 1000
+                    )  # the race under test: 0..7 ms around the deadline
                     try:
                         sent[n] = await rt.send("r", "poke", None, pc=pc)
                     except (CallbackNotFound, StaleCallback):
@@ -420,6 +430,8 @@ class TestRace:
                         except (CallbackNotFound, StaleCallback):
                             pokes.append(None)
 
+                    # These delays are the race under test (poke and client 0..3 ms apart,
+                    # either first), not a wait for something to happen.
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(poke)
                         await anyio.sleep((n // 4 % 4) / 1000)
