@@ -258,7 +258,9 @@ class TestLogs:
             async with connect(short_tmp / "s") as c:
                 await c.write(encode({"op": "logs", "id": 1, "follow": True}))
                 await until(lambda: bool(backend.subscribers))
-                await anyio.sleep(0.2)  # several idle timeouts: a follow must survive them
+                # The behaviour under test, not a wait for something: stay idle for several
+                # idle timeouts, which a follow must survive.
+                await anyio.sleep(0.2)
                 backend.emit("late")
                 assert (await c.read())["log"] == {"event": "late"}
                 assert (await c.call("ping"))["ok"] is True
@@ -489,7 +491,9 @@ class TestLargeAndStalled:
                 backend.workflows["wf-1"], workflow_id=f"w{i}", data={"v": "z" * 200_000}
             )
         path = short_tmp / "s"
-        async with serving(backend, path, idle_timeout=0.5):
+        async with anyio.create_task_group() as tg:
+            start = functools.partial(serve, backend, socket_path=path, idle_timeout=0.5)
+            control = await tg.start(start)
             stalled = socket.socket(socket.AF_UNIX)
             stalled.connect(str(path))
             stalled.setblocking(False)
@@ -498,7 +502,10 @@ class TestLargeAndStalled:
                     stalled.send(encode({"op": "show", "workflow_id": f"w{i}", "id": i}))
             async with connect(path) as other:
                 assert (await other.call("ping"))["ok"] is True
-            await anyio.sleep(1.5)  # past the idle timeout: the server gave up on this peer
+                await until(lambda: control.active == 2)  # both admitted, the stalled one too
+            # The server gave up on the stalled peer once it holds no connection at all (the
+            # other one has left); reading before that would unstall it.
+            await until(lambda: control.active == 0)
             received = 0
             stalled.setblocking(True)
             stalled.settimeout(5)
@@ -512,3 +519,4 @@ class TestLargeAndStalled:
             assert received < 50 * 200_000  # cut off, not every answer delivered
             async with connect(path) as other:
                 assert (await other.call("ping"))["ok"] is True
+            tg.cancel_scope.cancel()
