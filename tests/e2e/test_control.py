@@ -22,7 +22,7 @@ from daemon.control.protocol import ERROR_CODES
 from tests.helpers.client import Client, ping_as_nobody
 from tests.helpers.harness import REPO, Daemon, running_daemon, write_config
 from tests.helpers.support import needs_root
-from tests.helpers.wait import logged, wait_status
+from tests.helpers.wait import logged, settled, shown_when, wait_status
 
 MODULES = ["tests.workflows.control"]
 TALLY_EVENTS = ["add", "rename", "close"]
@@ -78,6 +78,22 @@ class TestOps:
             result = await c.call("ping")
         assert result["workflows"] == {"Waiting": 1, "Finished": 1}
         assert isinstance(result["version"], str) and result["version"]
+
+    async def test_ping_busy_counts_work_in_flight(self, tmp_path: Path) -> None:
+        """Ping's `busy` is 1 while a workflow's step runs and 0 once the workflow waits."""
+        gate = tmp_path / "gate"
+        async with running_daemon(tmp_path, MODULES) as d, d.client() as c:
+            assert (await settled(c))["busy"] == 0  # nothing started: quiet at once
+            await c.call("start", workflow="Hold", workflow_id="h", input={"gate": str(gate)})
+            # Hold's step blocks until the gate file exists: a step in flight for sure.
+            await shown_when(c, "h", lambda s: s.get("running_step", {}).get("step") == "hold")
+            pinged = await c.call("ping")
+            assert pinged["busy"] == 1 and pinged["workflows"] == {"Resuming": 1}
+            gate.touch()
+            await wait_status(c, "h", "Waiting")
+            quiet = await settled(c)
+            assert quiet["busy"] == 0 and quiet["workflows"] == {"Waiting": 1}
+            assert (await c.call("show", workflow_id="h"))["data"]["passed"] is True
 
     async def test_start_is_idempotent_and_type_conflicts(self, tmp_path: Path) -> None:
         """A repeated start returns the workflow unchanged; another type on its id is a conflict."""
