@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon import Workflow, WorkflowStatus
-from tests.support import Driver
+from tests.helpers.support import Driver
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

@@ -26,7 +26,9 @@ import anyio
 import anyio.abc
 import msgspec
 
-from tests.harness import Client, Daemon, wait_status, write_config
+from tests.helpers.client import Client
+from tests.helpers.harness import Daemon, write_config
+from tests.helpers.wait import wait_status
 
 BUDGET_S = 60.0
 IDLE = 1000
@@ -263,7 +265,7 @@ async def fuzz(tmp: Path, budget_s: float = BUDGET_S) -> tuple[Tally, int, float
     tally, held = Tally(), [0]
     config = write_config(
         tmp,
-        ["tests.torture_workflows"],
+        ["tests.workflows.torture"],
         daemon={"max_connections": MAX_CONNECTIONS, "idle_timeout_s": 600.0},
     )
     d = Daemon(tmp, config)

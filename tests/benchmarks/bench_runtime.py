@@ -17,7 +17,7 @@ import anyio
 from daemon.core.workflow import Workflow
 from daemon.runtime.runtime import Runtime
 from daemon.store.sqlite import SQLiteStore
-from tests.harness import Daemon
+from tests.helpers.harness import Daemon
 
 from .bench_workflows import AsyncSteps, SyncSteps
 from .common import (

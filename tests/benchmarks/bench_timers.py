@@ -15,7 +15,8 @@ from typing import Any
 
 import anyio
 
-from tests.harness import Daemon, connect
+from tests.helpers.client import connect
+from tests.helpers.harness import Daemon
 
 from .bench_workflows import Alarm
 from .common import bench_daemon, call_many, cpu_s, percentile, query, rss_mb, until_count

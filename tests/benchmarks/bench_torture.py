@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from tests.torture import Plan, Report, torture
+from tests.helpers.torture import Plan, Report, torture
 
 PLAN = Plan(
     seed=20,

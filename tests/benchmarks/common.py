@@ -16,7 +16,8 @@ import anyio
 import structlog
 
 from daemon.service.log import LogHub, configure_logging
-from tests.harness import Daemon, connect, running_daemon
+from tests.helpers.client import connect
+from tests.helpers.harness import Daemon, running_daemon
 
 MODULES = ["tests.benchmarks.bench_workflows"]
 

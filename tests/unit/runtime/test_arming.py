@@ -1,0 +1,460 @@
+"""Armed waits in process: each handler kind fires, is torn down when another case wins, and
+survives a restart; nothing leaks (arms, listen tasks, descriptors, socket files).
+
+A real Runtime on a real SQLite store (a fake clock where timer logic needs it); files, inotify
+and sockets are real. tests/e2e/test_handlers.py checks the same inside a real `workflowd`.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import pytest
+
+from daemon import Workflow
+from daemon.clock import FakeClock
+from daemon.errors import CallbackNotFound, StaleCallback
+from daemon.runtime.runtime import Runtime
+from daemon.store.sqlite import SQLiteStore
+from tests.helpers.probes import exchange, fds, unix_bound, unix_listening
+from tests.helpers.wait import until, wait_runtime_status
+from tests.workflows.handler import Guarded, Race
+
+REGISTRY: dict[str, type[Workflow]] = {c.name: c for c in (Guarded, Race)}
+
+
+@asynccontextmanager
+async def running(db: Path, clock: FakeClock | None = None) -> AsyncIterator[Runtime]:
+    """Open a store and a runtime on it for the body of the block."""
+    async with SQLiteStore.open(db) as store, Runtime.open(store, REGISTRY, clock=clock) as rt:
+        yield rt
+
+
+def listen_tasks() -> int:
+    """Count the runtime's listen tasks still running in this event loop."""
+    return sum(1 for t in anyio.get_running_tasks() if (t.name or "").endswith("Arms._listen"))
+
+
+def free_port() -> int:
+    """Return a TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class TestTimer:
+    """Timer, through the runtime's heap with a fake clock."""
+
+    async def test_fires_with_deadline(self, tmp_path: Path) -> None:
+        """The timer case runs once the clock passes the deadline; the input carries both times."""
+        clock = FakeClock()
+        async with running(tmp_path / "wf.db", clock) as rt:
+            start = clock.now()
+            await rt.start("Guarded", "t", {"kind": "timer", "after": 60})
+            await wait_runtime_status(rt, "t", "Waiting")
+            assert len(rt.arms) == 1
+            clock.advance(61)
+            shown = await wait_runtime_status(rt, "t", "Finished")
+            assert shown["data"]["ran"] == ["it"]
+            assert shown["data"]["seen"]["got"] == {"deadline": start + 60, "fired_at": start + 61}
+            assert len(rt.arms) == 0
+
+    async def test_disarmed_when_signal_wins(self, tmp_path: Path) -> None:
+        """A stop signal wins; the timer is disarmed and its deadline passing does nothing."""
+        clock = FakeClock()
+        async with running(tmp_path / "wf.db", clock) as rt:
+            await rt.start("Guarded", "t", {"kind": "timer", "after": 60})
+            await wait_runtime_status(rt, "t", "Waiting")
+            assert await rt.send("t", "stop", "done") == "stopped: done"
+            await wait_runtime_status(rt, "t", "Finished")
+            assert len(rt.arms) == 0
+            # A witness timer due just after t's: once it has fired, the heap has handled every
+            # entry up to t's deadline, so a wrongly armed timer of t would have fired too.
+            await rt.start("Guarded", "witness", {"kind": "timer", "after": 61})
+            await wait_runtime_status(rt, "witness", "Waiting")
+            clock.advance(3600)
+            await wait_runtime_status(rt, "witness", "Finished")
+            await rt.wait_idle()
+            assert (await rt.show("t"))["data"]["ran"] == ["stop"]
+
+    async def test_disarmed_timers_do_not_pile_up(self, tmp_path: Path) -> None:
+        """A loop whose signal always beats a long timer keeps the timer heap small."""
+        async with running(tmp_path / "wf.db", FakeClock()) as rt:
+            await rt.start("Race", "r", {"rounds": 300, "after": 86400})
+            for n in range(300):
+                await wait_runtime_status(rt, "r", "Waiting")
+                assert await rt.send("r", "poke") == n
+            await wait_runtime_status(rt, "r", "Finished")
+            assert len(rt.arms) == 0
+            assert len(rt.arms._heap) < 100  # the heap itself: stale entries are what leaks
+
+    async def test_restart_keeps_the_stored_deadline(self, tmp_path: Path) -> None:
+        """A deadline that passed while down fires on restart, with the deadline set up before."""
+        db, clock = tmp_path / "wf.db", FakeClock()
+        async with running(db, clock) as rt:
+            start = clock.now()
+            await rt.start("Guarded", "t", {"kind": "timer", "after": 60})
+            await wait_runtime_status(rt, "t", "Waiting")
+        clock.advance(7200)
+        async with running(db, clock) as rt:
+            shown = await wait_runtime_status(rt, "t", "Finished")
+            assert shown["data"]["ran"] == ["it"]
+            assert shown["data"]["seen"]["got"]["deadline"] == start + 60
+
+
+class TestFileWatch:
+    """FileWatch, with real files and inotify, in process."""
+
+    async def test_created_fires(self, tmp_path: Path) -> None:
+        """Creating the file fires the case with its path; the watch is closed afterwards."""
+        target = tmp_path / "drop" / "x.txt"
+        target.parent.mkdir()
+        base = fds()["inotify"]
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Guarded", "f", {"kind": "file", "path": str(target)})
+            await wait_runtime_status(rt, "f", "Waiting")
+            await until(lambda: fds()["inotify"] == base + 1)
+            target.write_text("hi")
+            shown = await wait_runtime_status(rt, "f", "Finished")
+            assert shown["data"]["seen"]["got"] == {"path": str(target), "change": "created"}
+            await until(lambda: fds()["inotify"] == base and listen_tasks() == 0)
+            assert len(rt.arms) == 0
+
+    async def test_watch_removed_when_signal_wins(self, tmp_path: Path) -> None:
+        """A stop signal wins; the inotify watch and the listen task are gone."""
+        target = tmp_path / "x.txt"
+        base = fds()["inotify"]
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Guarded", "f", {"kind": "file", "path": str(target)})
+            await wait_runtime_status(rt, "f", "Waiting")
+            await until(lambda: fds()["inotify"] == base + 1)
+            await rt.send("f", "stop", "done")
+            await wait_runtime_status(rt, "f", "Finished")
+            assert len(rt.arms) == 0
+            await until(lambda: fds()["inotify"] == base and listen_tasks() == 0)
+            # A witness watching the same file: once the late write has reached it (through
+            # inotify and the same 50 ms debounce), a leftover watch of f had its chance too.
+            await rt.start("Guarded", "witness", {"kind": "file", "path": str(target)})
+            await until(lambda: fds()["inotify"] == base + 1)
+            target.write_text("late")
+            await wait_runtime_status(rt, "witness", "Finished")
+            await rt.wait_idle()
+            assert (await rt.show("f"))["data"]["ran"] == ["stop"]
+
+    @pytest.mark.parametrize("on", ["created", "modified", "deleted"])
+    async def test_edge_while_down_fires_at_restart(self, tmp_path: Path, on: str) -> None:
+        """A create, write or delete that happened while the runtime was down fires on restart."""
+        db, target = tmp_path / "wf.db", tmp_path / "f.txt"
+        if on != "created":
+            target.write_text("before")
+        async with running(db) as rt:
+            await rt.start("Guarded", "f", {"kind": "file", "path": str(target), "on": on})
+            await wait_runtime_status(rt, "f", "Waiting")
+        if on == "deleted":
+            target.unlink()
+        else:
+            target.write_text("changed while down")
+        async with running(db) as rt:
+            shown = await wait_runtime_status(rt, "f", "Finished")
+            assert shown["data"]["seen"]["got"] == {"path": str(target), "change": on}
+
+    async def test_exists_true_at_restart_fires(self, tmp_path: Path) -> None:
+        """A file created while the runtime was down fires `exists` as soon as it is re-armed."""
+        db, target = tmp_path / "wf.db", tmp_path / "flag"
+        async with running(db) as rt:
+            await rt.start("Guarded", "f", {"kind": "file", "path": str(target), "on": "exists"})
+            await wait_runtime_status(rt, "f", "Waiting")
+        target.touch()
+        async with running(db) as rt:
+            shown = await wait_runtime_status(rt, "f", "Finished")
+            assert shown["data"]["seen"]["got"] == {"path": str(target), "change": "exists"}
+
+
+class TestSocketListen:
+    """SocketListen, with real Unix and TCP sockets, in process."""
+
+    async def test_fires_and_replies(self, tmp_path: Path) -> None:
+        """The first line fires the case, the client gets the output, the socket file goes."""
+        sock = tmp_path / "in.sock"
+        base = fds()["socket"]
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Guarded", "s", {"kind": "socket", "path": str(sock)})
+            await until(lambda: unix_listening(sock))
+            assert await exchange(sock, line=b'{"a": 1}') == {"ok": True, "result": {"a": 1}}
+            shown = await wait_runtime_status(rt, "s", "Finished")
+            assert shown["data"]["seen"]["got"] == {"a": 1}
+            await until(lambda: listen_tasks() == 0 and fds()["socket"] == base)
+            assert not sock.exists() and not unix_bound(sock)
+
+    async def test_listener_gone_when_signal_wins(self, tmp_path: Path) -> None:
+        """A stop signal wins; the listener is closed and its socket file removed."""
+        sock = tmp_path / "in.sock"
+        base = fds()["socket"]
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Guarded", "s", {"kind": "socket", "path": str(sock)})
+            await until(lambda: unix_listening(sock))
+            await rt.send("s", "stop", "done")
+            await wait_runtime_status(rt, "s", "Finished")
+            assert len(rt.arms) == 0
+            await until(lambda: listen_tasks() == 0 and fds()["socket"] == base)
+            assert not sock.exists() and not unix_bound(sock)
+            with pytest.raises(OSError):
+                await anyio.connect_unix(sock)
+
+    async def test_torn_down_while_binding(self, tmp_path: Path) -> None:
+        """Waits torn down as soon as they are set up (mid-bind) leave no socket file."""
+        socks = [tmp_path / f"s{n}.sock" for n in range(30)]
+        async with running(tmp_path / "wf.db") as rt:
+            for n, sock in enumerate(socks):
+                await rt.start("Guarded", f"s{n}", {"kind": "socket", "path": str(sock)})
+                await rt.send(f"s{n}", "stop", "now")
+            await rt.wait_idle()
+            await until(lambda: listen_tasks() == 0)
+            assert [s.name for s in socks if s.exists() or unix_bound(s)] == []
+
+    async def test_stopped_while_binding(self, tmp_path: Path) -> None:
+        """A runtime stopped while its listeners bind leaves no socket file behind."""
+        for attempt in range(3):
+            socks = [tmp_path / f"{attempt}-{n}.sock" for n in range(20)]
+            async with running(tmp_path / f"{attempt}.db") as rt:
+                for n, sock in enumerate(socks):
+                    await rt.start("Guarded", f"s{n}", {"kind": "socket", "path": str(sock)})
+                await until(lambda: any(s.exists() for s in socks))  # noqa: B023 - used at once
+            assert [s.name for s in socks if s.exists()] == []
+
+    async def test_tcp_closed_when_signal_wins(self, tmp_path: Path) -> None:
+        """A TCP listener fires when it is the winner and refuses connections once torn down."""
+        port = free_port()
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Guarded", "a", {"kind": "socket", "port": port})
+            assert await _tcp_exchange(port, b"plain text") == {"ok": True, "result": "plain text"}
+            assert (await wait_runtime_status(rt, "a", "Finished"))["data"]["ran"] == ["it"]
+            await rt.start("Guarded", "b", {"kind": "socket", "port": port})
+            await _tcp_ready(port)
+            await rt.send("b", "stop", "done")
+            await wait_runtime_status(rt, "b", "Finished")
+            await until(lambda: listen_tasks() == 0)
+            with pytest.raises(OSError):
+                await anyio.connect_tcp("127.0.0.1", port)
+
+    async def test_reopened_after_restart(self, tmp_path: Path) -> None:
+        """A clean stop removes the socket file; the restarted runtime listens again."""
+        db, sock = tmp_path / "wf.db", tmp_path / "in.sock"
+        async with running(db) as rt:
+            await rt.start("Guarded", "s", {"kind": "socket", "path": str(sock)})
+            await until(lambda: unix_listening(sock))
+        assert not sock.exists()
+        async with running(db) as rt:
+            await until(lambda: unix_listening(sock))
+            assert await exchange(sock, line=b"7") == {"ok": True, "result": 7}
+            assert (await wait_runtime_status(rt, "s", "Finished"))["data"]["ran"] == ["it"]
+
+
+async def _tcp_ready(port: int) -> None:
+    """Wait (bounded) until something accepts on `port`; the probe sends nothing and leaves."""
+    with anyio.fail_after(10):
+        while True:
+            try:
+                stream = await anyio.connect_tcp("127.0.0.1", port)
+            except OSError:
+                await anyio.sleep(0.01)
+                continue
+            await stream.aclose()
+            return
+
+
+async def _tcp_exchange(port: int, line: bytes) -> Any:
+    await _tcp_ready(port)
+    return await exchange(port=port, line=line)
+
+
+class TestSignal:
+    """Signal, in process."""
+
+    async def test_fires_and_is_gone_when_other_case_wins(self, tmp_path: Path) -> None:
+        """A signal case replies; once the other case won, sending it is refused."""
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Guarded", "a")
+            assert await rt.send("a", "it", [1]) == {"echo": [1]}
+            assert (await wait_runtime_status(rt, "a", "Finished"))["data"]["ran"] == ["it"]
+            await rt.start("Guarded", "b")
+            await rt.send("b", "stop", "done")
+            with pytest.raises(CallbackNotFound):
+                await rt.send("b", "it", [2])
+            assert (await wait_runtime_status(rt, "b", "Finished"))["data"]["ran"] == ["stop"]
+
+
+class TestLateEvent:
+    """An event that arrives while the other case is winning is refused; its listener still ends."""
+
+    async def test_socket_message_during_stop(self, tmp_path: Path) -> None:
+        """The client gets an error, the listener closes and its socket file is removed."""
+        sock = tmp_path / "in.sock"
+        base = fds()
+        slow = {"kind": "socket", "path": str(sock), "stop_delay": 0.3}
+        async with running(tmp_path / "wf.db") as rt, anyio.create_task_group() as tg:
+            await rt.start("Guarded", "s", slow)
+            await until(lambda: unix_listening(sock))
+            await wait_runtime_status(rt, "s", "Waiting")  # no actor left from the start
+            tg.start_soon(rt.send, "s", "stop", "first")
+            await until(lambda: rt.scheduler.running("s"))  # stop is being handled
+            reply = await exchange(sock, line=b"1")
+            assert reply["ok"] is False and reply["error"]["code"] in ("not_found", "stale")
+            assert (await wait_runtime_status(rt, "s", "Finished"))["data"]["ran"] == ["stop"]
+            await until(lambda: listen_tasks() == 0 and fds() == base)
+            assert not sock.exists() and not unix_bound(sock)
+
+    async def test_file_event_during_stop(self, tmp_path: Path) -> None:
+        """The file event is refused and the watch is closed, not retried."""
+        target = tmp_path / "x"
+        base = fds()
+        slow = {"kind": "file", "path": str(target), "stop_delay": 0.3}
+        async with running(tmp_path / "wf.db") as rt, anyio.create_task_group() as tg:
+            await rt.start("Guarded", "f", slow)
+            await until(lambda: fds()["inotify"] == base["inotify"] + 1)
+            await wait_runtime_status(rt, "f", "Waiting")  # no actor left from the start
+            tg.start_soon(rt.send, "f", "stop", "first")
+            await until(lambda: rt.scheduler.running("f"))  # stop is being handled
+            target.write_text("now")
+            assert (await wait_runtime_status(rt, "f", "Finished"))["data"]["ran"] == ["stop"]
+            await until(lambda: listen_tasks() == 0 and fds() == base)
+
+
+class TestNoLeaks:
+    """Torn-down waits leave no arm, task, descriptor or socket file behind."""
+
+    async def test_everything_released(self, tmp_path: Path) -> None:
+        """Waits of every kind, ended by a winning signal or a cancel, release everything."""
+        base = fds()
+        socks = [tmp_path / f"s{n}.sock" for n in range(4)]
+        async with running(tmp_path / "wf.db") as rt:
+            for n in range(4):
+                await rt.start("Guarded", f"t{n}", {"kind": "timer", "after": 3600})
+                await rt.start("Guarded", f"f{n}", {"kind": "file", "path": str(tmp_path / "x")})
+                await rt.start("Guarded", f"s{n}", {"kind": "socket", "path": str(socks[n])})
+                await rt.start("Guarded", f"g{n}", {"kind": "signal"})
+            await until(lambda: all(s.exists() for s in socks) and fds()["inotify"] == 4)
+            assert len(rt.arms) == 12 and listen_tasks() == 8
+            for n in range(4):
+                for kind in "tfsg":
+                    if n % 2:
+                        await rt.cancel(f"{kind}{n}")
+                    else:
+                        await rt.send(f"{kind}{n}", "stop", "done")
+            await rt.wait_idle()
+            assert len(rt.arms) == 0
+            await until(lambda: listen_tasks() == 0 and fds() == base)
+            assert not any(s.exists() for s in socks)
+            statuses = Counter(w["status"] for w in await rt.list())
+            assert statuses == {"Finished": 8, "Cancelled": 8}
+
+
+class TestRace:
+    """A Timer and a Signal race in the same Wait: exactly one case wins every round."""
+
+    async def test_two_hundred_rounds(self, tmp_path: Path) -> None:
+        """Each round a poke is sent around the timer's deadline; each round has one winner."""
+        sent: dict[int, Any] = {}
+        refused: list[int] = []
+        pcs: set[int] = set()
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Race", "r", {"rounds": 200, "after": 0.005})
+            with anyio.fail_after(30):
+                while True:
+                    await rt.wait_idle()
+                    loaded = await rt.cache.load("r")
+                    if loaded.state.status.value == "Finished":
+                        break
+                    wf = loaded.wf
+                    assert isinstance(wf, Race)
+                    n = wf.round
+                    (pc,) = {
+                        ev.req.pc
+                        for t in loaded.state.threads
+                        for ev in t.wait_events
+                        if ev.req.name == "poke"
+                    }
+                    pcs.add(pc)
+                    await anyio.sleep(
+                        (n % 8) / 1000
+                    )  # the race under test: 0..7 ms around the deadline
+                    try:
+                        sent[n] = await rt.send("r", "poke", None, pc=pc)
+                    except (CallbackNotFound, StaleCallback):
+                        refused.append(n)
+            wf = (await rt.cache.load("r")).wf
+            assert isinstance(wf, Race)
+            winners = wf.winners
+            assert len(rt.arms) == 0
+        rounds = [int(w.split(":")[0]) for w in winners]
+        assert rounds == list(range(200)), winners
+        by_signal = {r for r, w in zip(rounds, winners, strict=True) if w.endswith("signal")}
+        assert by_signal == set(sent)
+        assert all(sent[r] == r for r in sent)
+        assert not by_signal & set(refused)
+        assert 0 not in pcs  # pc 0 would switch off the stale check
+
+    async def test_socket_against_signal(self, tmp_path: Path) -> None:
+        """A client and a poke race each round on one socket path; each round has one winner."""
+        sock, rounds = tmp_path / "race.sock", 40
+        replies: list[Any] = []
+        pokes: list[Any] = []
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Race", "r", {"rounds": rounds, "path": str(sock)})
+            with anyio.fail_after(30):
+                while True:
+                    await rt.wait_idle()
+                    loaded = await rt.cache.load("r")
+                    if loaded.state.status.value == "Finished":
+                        break
+                    (pc,) = {
+                        ev.req.pc
+                        for t in loaded.state.threads
+                        for ev in t.wait_events
+                        if ev.req.name == "poke"
+                    }
+                    n = len(replies)
+
+                    async def poke() -> None:
+                        await anyio.sleep((n % 4) / 1000)  # noqa: B023 - awaited in this round
+                        try:
+                            pokes.append(await rt.send("r", "poke", None, pc=pc))  # noqa: B023
+                        except (CallbackNotFound, StaleCallback):
+                            pokes.append(None)
+
+                    # These delays are the race under test (poke and client 0..3 ms apart,
+                    # either first), not a wait for something to happen.
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(poke)
+                        await anyio.sleep((n // 4 % 4) / 1000)
+                        replies.append(await exchange_retrying(sock, f"{n}".encode()))
+            wf = (await rt.cache.load("r")).wf
+            assert isinstance(wf, Race)
+            await until(lambda: listen_tasks() == 0)
+        assert [int(w.split(":")[0]) for w in wf.winners] == list(range(rounds))
+        won_by_client = [r["result"] for r in replies if r is not None and r["ok"]]
+        won_by_poke = [p for p in pokes if p is not None]
+        kinds = Counter(w.split(":")[1] for w in wf.winners)
+        assert kinds["socket"] == len(won_by_client) and kinds["signal"] == len(won_by_poke)
+        refused = [r["error"]["code"] for r in replies if r is not None and not r["ok"]]
+        assert set(refused) <= {"not_found", "stale"}
+        assert not sock.exists()
+
+
+async def exchange_retrying(sock: Path, line: bytes) -> Any:
+    """Send one line to whichever listener holds `sock`; None if none answers for a while."""
+    with anyio.move_on_after(0.5):  # the last round, won by a poke, leaves no listener
+        while True:
+            try:
+                return await exchange(sock, line=line)
+            except (OSError, json.JSONDecodeError, anyio.EndOfStream, anyio.BrokenResourceError):
+                await anyio.sleep(0.005)
+    return None

@@ -1,0 +1,503 @@
+"""Tests for the runtime: real SQLite store, real handlers, a fake clock for timers."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import anyio
+import pytest
+
+from daemon import (
+    CallbackNotFound,
+    CallbackRequest,
+    For,
+    Go,
+    NonRetryableError,
+    On,
+    Retry,
+    S,
+    Section,
+    Step,
+    Wait,
+    Workflow,
+)
+from daemon.clock import FakeClock
+from daemon.errors import Conflict, HandlerRejected, UnknownWorkflowType, WorkflowNotFound
+from daemon.runtime.runtime import Runtime
+from daemon.runtime.settings import Settings
+from daemon.store.sqlite import SQLiteStore
+from handlers import Signal, Timer
+from tests.helpers.wait import eventually, wait_runtime_status
+
+
+@dataclass
+class Counter(Workflow):
+    """Counts to `upto` in a loop, one step per increment."""
+
+    upto: int = 5
+    i: int = 0
+
+    def definition(self) -> Section:
+        return S(
+            For("loop", self.i < self.upto, Step("inc", lambda: setattr(self, "i", self.i + 1)))
+        )
+
+
+@dataclass
+class Approval(Workflow):
+    """Waits for a decision or a timeout."""
+
+    decision: str = ""
+    log: list[str] = field(default_factory=list)
+
+    def decide(self, input: dict[str, Any]) -> str:
+        if input.get("by") == "mallory":
+            raise ValueError("mallory may not decide")
+        self.decision = str(input["decision"])
+        return f"recorded {self.decision}"
+
+    def definition(self) -> Section:
+        return S(
+            Step("ask", lambda: self.log.append("asked")),
+            Wait(
+                "decide",
+                On(
+                    "decision",
+                    Signal(self.decide),
+                    Step("apply", lambda: self.log.append("applied")),
+                ),
+                On(
+                    "timeout", Timer(after=3600), Step("expire", lambda: self.log.append("expired"))
+                ),
+            ),
+        )
+
+
+FAILS: dict[str, int] = {}
+
+
+@dataclass
+class Flaky(Workflow):
+    """A step that fails `fail_times` times before it succeeds."""
+
+    key: str = ""
+    fail_times: int = 2
+    fatal: bool = False
+    done: bool = False
+
+    def act(self) -> None:
+        FAILS[self.key] = FAILS.get(self.key, 0) + 1
+        if self.fatal:
+            raise NonRetryableError("no point retrying")
+        if FAILS[self.key] <= self.fail_times:
+            raise RuntimeError(f"flake {FAILS[self.key]}")
+        self.done = True
+
+    def definition(self) -> Section:
+        return S(Step("flaky", self.act, retry=Retry(initial_s=10, max_attempts=4)))
+
+
+@dataclass
+class Parallel(Workflow):
+    """A worker thread waits for its own signal while main waits for another."""
+
+    got: list[str] = field(default_factory=list)
+
+    def definition(self) -> Section:
+        return S(
+            Go(
+                "worker",
+                S(Wait("w", On("work", Signal())), Step("w_done", lambda: self.got.append("w"))),
+            ),
+            Wait("m", On("finish", Signal())),
+            Step("m_done", lambda: self.got.append("m")),
+        )
+
+
+@dataclass
+class Broken(Workflow):
+    """A Wait given a Step where an On belongs."""
+
+    def definition(self) -> Section:
+        return S(Wait("w", Step("oops", print)))  # type: ignore[arg-type]
+
+
+REGISTRY: dict[str, type[Workflow]] = {
+    c.name: c for c in (Counter, Approval, Flaky, Parallel, Broken)
+}
+
+
+@asynccontextmanager
+async def running(
+    db: Path, clock: FakeClock | None = None, **settings: Any
+) -> AsyncIterator[Runtime]:
+    """Open a store and a runtime on it for the body of the block."""
+    async with (
+        SQLiteStore.open(db) as store,
+        Runtime.open(store, REGISTRY, Settings(**settings), clock=clock or FakeClock()) as rt,
+    ):
+        yield rt
+
+
+class TestStart:
+    """Starting workflows."""
+
+    async def test_runs_to_finish(self, tmp_path: Path) -> None:
+        """A started workflow runs every step and finishes, with history."""
+        async with running(tmp_path / "wf.db") as rt:
+            res = await rt.start("Counter", "c1", {"upto": 3})
+            assert res["workflow_id"] == "c1"
+            shown = await wait_runtime_status(rt, "c1", "Finished")
+            assert shown["data"] == {"upto": 3, "i": 3}
+            kinds = [h["kind"] for h in await rt.history("c1")]
+            assert kinds.count("step_done") == 3
+            assert kinds[0] == "started"
+
+    async def test_defaults_are_stored(self, tmp_path: Path) -> None:
+        """Fields left at their defaults are written to the store, not left implicit."""
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Approval", "a1", {})
+            row = await rt.store.get("a1")
+            assert row is not None
+            assert '"decision":""' in row.data and '"log":[]' in row.data
+
+    async def test_idempotent_and_conflict(self, tmp_path: Path) -> None:
+        """Starting an existing id returns it; a different type is a conflict."""
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Counter", "same")
+            again = await rt.start("Counter", "same")
+            assert again["created"] is False
+            with pytest.raises(Conflict):
+                await rt.start("Approval", "same")
+
+    async def test_unknown_type_and_bad_input(self, tmp_path: Path) -> None:
+        """Unknown workflow types and unknown input fields are clear errors that store nothing."""
+        async with running(tmp_path / "wf.db") as rt:
+            with pytest.raises(UnknownWorkflowType, match="Nope"):
+                await rt.start("Nope")
+            with pytest.raises(Exception, match="no field"):
+                await rt.start("Counter", "x", {"bogus": 1})
+            assert await rt.list() == []
+
+
+class TestCallbacks:
+    """Callbacks reach the waiting thread and are durable when acknowledged."""
+
+    async def test_signal_then_finish(self, tmp_path: Path) -> None:
+        """A signal's reply comes back and the workflow runs its case."""
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Approval", "a1")
+            out = await rt.send("a1", "decision", {"decision": "yes"})
+            assert out == "recorded yes"
+            shown = await wait_runtime_status(rt, "a1", "Finished")
+            assert shown["data"]["log"] == ["asked", "applied"]
+
+    async def test_send_right_after_start_does_not_race(self, tmp_path: Path) -> None:
+        """A callback sent before the workflow blocks waits in its queue."""
+        async with running(tmp_path / "wf.db") as rt:
+            for n in range(20):
+                await rt.start("Approval", f"r{n}")
+                assert await rt.send(f"r{n}", "decision", {"decision": "ok"}) == "recorded ok"
+
+    async def test_rejections_change_nothing(self, tmp_path: Path) -> None:
+        """Unknown workflow, unknown event and a raising handler are errors; data is unchanged."""
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Approval", "a1")
+            with pytest.raises(WorkflowNotFound):
+                await rt.send("zzz", "decision", {})
+            with pytest.raises(CallbackNotFound):
+                await rt.send("a1", "nope")
+            before = await rt.show("a1")
+            with pytest.raises(HandlerRejected, match="mallory"):
+                await rt.send("a1", "decision", {"by": "mallory", "decision": "x"})
+            after = await rt.show("a1")
+            assert after["data"] == before["data"] and after["state"] == before["state"]
+            assert after["status"] == "Waiting"
+
+    async def test_no_wait_send_is_durable(self, tmp_path: Path) -> None:
+        """A queued send is stored in the inbox and applied even across a restart."""
+        db = tmp_path / "wf.db"
+        async with running(db) as rt:
+            await rt.start("Approval", "a1")
+            await wait_runtime_status(rt, "a1", "Waiting")
+        async with SQLiteStore.open(db) as store:
+            await store.inbox_put("a1", "decision", {"decision": "later"})
+        async with running(db) as rt:
+            shown = await wait_runtime_status(rt, "a1", "Finished")
+            assert shown["data"]["decision"] == "later"
+            assert await rt.store.inbox_pending() == []
+
+    async def test_threads(self, tmp_path: Path) -> None:
+        """Each thread gets its own event; main finishing ends the workflow."""
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Parallel", "p")
+            await wait_runtime_status(rt, "p", "Waiting")
+            assert sorted((await rt.list())[0]["waiting_for"]) == ["finish", "work"]
+            await rt.send("p", "work")
+            await rt.send("p", "finish")
+            shown = await wait_runtime_status(rt, "p", "Finished")
+            assert shown["data"]["got"] == ["w", "m"]
+
+
+class TestTimers:
+    """Timers fire through the runtime's heap."""
+
+    async def test_timer_fires_and_tears_down_signal(self, tmp_path: Path) -> None:
+        """The timeout case fires when the fake clock passes its deadline."""
+        clock = FakeClock()
+        async with running(tmp_path / "wf.db", clock) as rt:
+            await rt.start("Approval", "a1")
+            await wait_runtime_status(rt, "a1", "Waiting")
+            assert len(rt.arms) == 1
+            clock.advance(3601)
+            shown = await wait_runtime_status(rt, "a1", "Finished")
+            assert shown["data"]["log"] == ["asked", "expired"]
+            assert len(rt.arms) == 0
+            with pytest.raises(CallbackNotFound):
+                await rt.send("a1", "decision", {"decision": "late"})
+
+    async def test_timer_due_while_down_fires_on_restart(self, tmp_path: Path) -> None:
+        """A deadline that passed while the daemon was down fires at once on restart."""
+        db = tmp_path / "wf.db"
+        clock = FakeClock()
+        async with running(db, clock) as rt:
+            await rt.start("Approval", "a1")
+            await wait_runtime_status(rt, "a1", "Waiting")
+        clock.advance(7200)
+        async with running(db, clock) as rt:
+            shown = await wait_runtime_status(rt, "a1", "Finished")
+            assert shown["data"]["log"] == ["asked", "expired"]
+
+
+class TestRetry:
+    """Failing steps are retried with backoff, then fail for good."""
+
+    async def test_retries_then_succeeds(self, tmp_path: Path) -> None:
+        """A flaky step is retried after its backoff and the error is recorded meanwhile."""
+        clock = FakeClock()
+        FAILS.clear()
+        async with running(tmp_path / "wf.db", clock) as rt:
+            await rt.start("Flaky", "f", {"key": "a", "fail_times": 2})
+
+            async def failed_once() -> bool:
+                return bool((await rt.show("f"))["attempt"] == 1)
+
+            await eventually(failed_once)
+            assert "flake 1" in (await rt.show("f"))["error"]
+            assert FAILS["a"] == 1
+
+            async def advanced() -> bool:
+                clock.advance(5)
+                return FAILS["a"] >= 3
+
+            await eventually(advanced)
+            shown = await wait_runtime_status(rt, "f", "Finished")
+            assert shown["data"]["done"] is True
+            failed = [h for h in await rt.history("f") if h["kind"] == "step_failed"]
+            assert [h["attempt"] for h in failed] == [1, 2]
+
+    async def test_fails_after_max_attempts(self, tmp_path: Path) -> None:
+        """After max_attempts the workflow is Failed with the error kept."""
+        clock = FakeClock()
+        FAILS.clear()
+        async with running(tmp_path / "wf.db", clock) as rt:
+            await rt.start("Flaky", "f", {"key": "b", "fail_times": 99})
+            with anyio.fail_after(10):
+                while (await rt.show("f"))["status"] != "Failed":
+                    clock.advance(100)
+                    await anyio.sleep(0.01)
+            shown = await rt.show("f")
+            assert FAILS["b"] == 4
+            assert "flake 4" in shown["error"]
+
+    async def test_non_retryable_fails_at_once(self, tmp_path: Path) -> None:
+        """A NonRetryableError fails the workflow without a retry."""
+        FAILS.clear()
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Flaky", "f", {"key": "c", "fatal": True})
+            shown = await wait_runtime_status(rt, "f", "Failed")
+            assert FAILS["c"] == 1
+            assert "no point retrying" in shown["error"]
+
+
+class TestCancel:
+    """Cancelling tears everything down."""
+
+    async def test_cancel_waiting(self, tmp_path: Path) -> None:
+        """A waiting workflow is cancelled, its timer disarmed, and later sends are refused."""
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Approval", "a1")
+            await wait_runtime_status(rt, "a1", "Waiting")
+            res = await rt.cancel("a1")
+            assert res["status"] == "Cancelled"
+            assert len(rt.arms) == 0
+            shown = await rt.show("a1")
+            assert shown["status"] == "Cancelled"
+            assert shown["state"]["threads"] == [] or all(
+                not t["wait_events"] for t in shown["state"]["threads"]
+            )
+            with pytest.raises(CallbackNotFound):
+                await rt.send("a1", "decision", {"decision": "x"})
+
+    async def test_cancel_during_retry_wait(self, tmp_path: Path) -> None:
+        """A workflow waiting to retry a step is cancelled at once."""
+        FAILS.clear()
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Flaky", "f", {"key": "d", "fail_times": 99})
+
+            async def failed() -> bool:
+                return FAILS.get("d", 0) >= 1
+
+            await eventually(failed)
+            assert (await rt.cancel("f"))["status"] == "Cancelled"
+            await rt.wait_idle()
+            assert (await rt.show("f"))["status"] == "Cancelled"
+
+
+class TestRecovery:
+    """Restarts lose nothing and corrupt rows are skipped."""
+
+    async def test_waiting_survives_restart(self, tmp_path: Path) -> None:
+        """A waiting workflow accepts its signal after a restart."""
+        db = tmp_path / "wf.db"
+        async with running(db) as rt:
+            await rt.start("Approval", "a1")
+            await wait_runtime_status(rt, "a1", "Waiting")
+        async with running(db) as rt:
+            assert await rt.send("a1", "decision", {"decision": "late"}) == "recorded late"
+            await wait_runtime_status(rt, "a1", "Finished")
+
+    async def test_corrupt_row_skipped(self, tmp_path: Path) -> None:
+        """A row with invalid JSON is marked with an error; the others are served."""
+        db = tmp_path / "wf.db"
+        async with running(db) as rt:
+            await rt.start("Approval", "bad")
+            await rt.start("Approval", "good")
+            await wait_runtime_status(rt, "good", "Waiting")
+            await wait_runtime_status(rt, "bad", "Waiting")
+        with sqlite3.connect(db) as conn:
+            conn.execute("UPDATE workflows SET state = '{not json' WHERE id = 'bad'")
+        async with running(db) as rt:
+            assert (await rt.show("bad"))["error"].startswith("corrupt row")
+            assert await rt.send("good", "decision", {"decision": "y"}) == "recorded y"
+            with pytest.raises(Exception, match="corrupt"):
+                await rt.send("bad", "decision", {"decision": "y"})
+
+    async def test_invalid_definition_fails_workflow(self, tmp_path: Path) -> None:
+        """A definition that does not validate fails the workflow with the reason."""
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Broken", "b")
+            shown = await wait_runtime_status(rt, "b", "Failed")
+            assert "cases must be On" in shown["error"]
+
+    async def test_group_commit_under_concurrency(self, tmp_path: Path) -> None:
+        """Many workflows stepping together share commits."""
+        async with running(tmp_path / "wf.db") as rt:
+            for n in range(50):
+                await rt.start("Counter", f"c{n}", {"upto": 10})
+            for n in range(50):
+                await wait_runtime_status(rt, f"c{n}", "Finished")
+            assert isinstance(rt.store, SQLiteStore)
+            assert rt.store.stats.commits < rt.store.stats.writes
+
+
+class TestReservedFields:
+    """Data fields cannot hide Workflow's own attributes."""
+
+    def test_field_called_name_rejected(self) -> None:
+        """A field called `name` would hide the registered name, so it is refused at once."""
+        from daemon.errors import ValidationError
+
+        with pytest.raises(ValidationError, match="may not be called 'name'"):
+
+            @dataclass
+            class Named(Workflow):
+                name: str = "x"  # type: ignore[misc]
+
+                def definition(self) -> Section:
+                    return S()
+
+
+class Sticky:
+    """A handler whose teardown fails while `broken` is set (a resource it cannot release yet)."""
+
+    type = "sticky"
+    broken: ClassVar[bool] = True
+    teardowns: ClassVar[list[str]] = []
+
+    async def setup(self, req: CallbackRequest) -> str:
+        """Arm nothing."""
+        return ""
+
+    async def handle(self, req: CallbackRequest, input: Any) -> Any:
+        """Echo the input."""
+        return input
+
+    async def teardown(self, req: CallbackRequest, handled: bool) -> None:
+        """Fail while broken, else record the release."""
+        if Sticky.broken:
+            raise OSError("resource busy")
+        Sticky.teardowns.append(req.name)
+
+
+@dataclass
+class Leaves(Workflow):
+    """A worker waits on a Sticky event while main finishes, so the worker's wait is torn down."""
+
+    done: bool = False
+
+    def definition(self) -> Section:
+        return S(
+            Go("worker", S(Wait("w", On("never", Sticky())))),
+            Wait("m", On("finish", Signal())),
+            Step("end", lambda: setattr(self, "done", True)),
+        )
+
+
+REGISTRY[Leaves.name] = Leaves
+
+
+class TestTeardownRetry:
+    """A teardown that failed when a workflow ended is retried until it succeeds."""
+
+    async def test_failed_teardown_retried_by_janitor(self, tmp_path: Path) -> None:
+        """The failure is recorded on the ended workflow, then the janitor releases it."""
+        Sticky.broken, Sticky.teardowns = True, []
+        db = tmp_path / "wf.db"
+        async with running(db) as rt:
+            await rt.start("Leaves", "l")
+            await wait_runtime_status(rt, "l", "Waiting")
+            await rt.send("l", "finish")
+            shown = await wait_runtime_status(rt, "l", "Finished")
+            (thread,) = shown["state"]["threads"]
+            assert thread["wait_events"][0]["status"] == "TeardownError"
+            assert await rt.janitor.sweep() == 1  # still broken: kept, counted
+            Sticky.broken = False
+            assert await rt.janitor.sweep() == 0
+            assert Sticky.teardowns == ["never"]
+            assert (await rt.show("l"))["state"]["threads"] == []
+            retried = [h for h in await rt.history("l") if h["kind"] == "teardown_retried"]
+            assert retried[0]["still_failing"] == 1 and retried[-1]["still_failing"] == 0
+
+    async def test_retried_after_restart(self, tmp_path: Path) -> None:
+        """A failed teardown left by an earlier run is retried when the runtime starts."""
+        Sticky.broken, Sticky.teardowns = True, []
+        db = tmp_path / "wf.db"
+        async with running(db) as rt:
+            await rt.start("Leaves", "l")
+            await wait_runtime_status(rt, "l", "Waiting")
+            await rt.send("l", "finish")
+            await wait_runtime_status(rt, "l", "Finished")
+        Sticky.broken = False
+        async with running(db) as rt:
+
+            async def released() -> bool:
+                return bool((await rt.show("l"))["state"]["threads"] == [])
+
+            await eventually(released)
+        assert Sticky.teardowns == ["never"]

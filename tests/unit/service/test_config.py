@@ -1,0 +1,266 @@
+"""Tests for daemon.config: loading, defaults, validation and module import."""
+
+from __future__ import annotations
+
+import grp
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from daemon.errors import ConfigError
+from daemon.ops.modules import import_workflow_modules
+from daemon.service.config import Config, load_config, parse_config
+from tests.helpers import REPO
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    return path
+
+
+def error_of(tmp_path: Path, text: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+class TestDefaults:
+    def test_repo_config_loads(self) -> None:
+        """The checkout's config.toml loads and resolves paths against the checkout."""
+        cfg = load_config(REPO / "config.toml")
+        assert cfg.source == REPO / "config.toml"
+        assert cfg.daemon.socket == REPO / "state" / "workflowd.sock"
+        assert cfg.daemon.socket_mode == 0o660
+        assert cfg.store.path == REPO / "state" / "workflowd.db"
+        assert cfg.store.synchronous == "normal"
+        assert cfg.workflows.paths == (REPO,)
+        assert cfg.workflows.modules == ("daemon.examples",)
+        assert cfg.runtime.retry_max_attempts == 0
+        assert (cfg.log.level, cfg.log.format) == ("info", "auto")
+
+    def test_repo_config_equals_empty_config(self, tmp_path: Path) -> None:
+        """Every value in the shipped config.toml is the built-in default."""
+        shipped = load_config(REPO / "config.toml")
+        empty = parse_config({}, REPO / "config.toml")
+        assert shipped == empty
+
+    def test_missing_keys_take_defaults(self, tmp_path: Path) -> None:
+        """A file setting one key keeps the defaults for the rest, relative to its own folder."""
+        cfg = load_config(write(tmp_path, "[runtime]\nmax_concurrent_steps = 3\n"))
+        assert cfg.runtime.max_concurrent_steps == 3
+        assert cfg.runtime.retry_initial_s == 1.0
+        assert cfg.store.path == tmp_path / "state" / "workflowd.db"
+
+    def test_values_are_converted(self, tmp_path: Path) -> None:
+        """Ints are accepted for floats, lists become tuples and group names become gids."""
+        group = grp.getgrgid(os.getgid()).gr_name
+        cfg = load_config(
+            write(
+                tmp_path,
+                f'[daemon]\nidle_timeout_s = 5\nallowed_uids = [0, 1000]\nsocket_mode = "600"\n'
+                f'allowed_groups = ["{group}", 4]\n[workflows]\npaths = ["wf", "/abs"]\n',
+            )
+        )
+        assert cfg.daemon.idle_timeout_s == 5.0
+        assert isinstance(cfg.daemon.idle_timeout_s, float)
+        assert cfg.daemon.allowed_uids == (0, 1000)
+        assert cfg.daemon.allowed_groups == (os.getgid(), 4)
+        assert cfg.daemon.socket_mode == 0o600
+        assert cfg.workflows.paths == (tmp_path / "wf", Path("/abs"))
+
+    def test_default_path_honours_env(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """$WORKFLOWD_CONFIG wins; otherwise the checkout's file is used."""
+        monkeypatch.setenv("WORKFLOWD_CONFIG", "/x/y.toml")
+        assert Config.default_path() == Path("/x/y.toml")
+        monkeypatch.delenv("WORKFLOWD_CONFIG")
+        assert Config.default_path() == REPO / "config.toml"
+
+    def test_config_is_frozen(self) -> None:
+        """Config objects cannot be changed after loading."""
+        cfg = load_config(REPO / "config.toml")
+        with pytest.raises(AttributeError):
+            cfg.log.level = "debug"  # type: ignore[misc]
+
+
+class TestErrors:
+    @pytest.mark.parametrize(
+        ("text", "expected"),
+        [
+            (
+                '[runtime]\nretry_initial_s = "x"',
+                "[runtime] retry_initial_s: expected a number, got 'x'",
+            ),
+            (
+                "[runtime]\nretry_initial_s = true",
+                "[runtime] retry_initial_s: expected a number, got True",
+            ),
+            ("[runtime]\nretry_initial_s = nan", "[runtime] retry_initial_s: expected a number"),
+            ("[runtime]\nretry_initial_s = 0", "[runtime] retry_initial_s: must be > 0"),
+            (
+                "[runtime]\nmax_concurrent_steps = true",
+                "[runtime] max_concurrent_steps: expected an integer, got True",
+            ),
+            (
+                "[runtime]\nmax_concurrent_steps = 2.5",
+                "[runtime] max_concurrent_steps: expected an integer, got 2.5",
+            ),
+            (
+                "[runtime]\nmax_concurrent_steps = 0",
+                "[runtime] max_concurrent_steps: must be >= 1, got 0",
+            ),
+            ("[runtime]\nretry_max_attempts = -1", "[runtime] retry_max_attempts: must be >= 0"),
+            ("[store]\nhistory_keep = 0", "[store] history_keep: must be >= 1, got 0"),
+            (
+                "[runtime]\nretry_initial_s = 10.0\nretry_max_s = 5.0",
+                "[runtime] retry_max_s: must be >= retry_initial_s",
+            ),
+            ("[runtime]\nretries = 3", "[runtime] retries: unknown key"),
+            ("[nope]\nx = 1", "unknown section [nope]"),
+            ("daemon = 3", "[daemon] must be a table"),
+            (
+                '[store]\nsynchronous = "off"',
+                "[store] synchronous: expected one of normal, full; got 'off'",
+            ),
+            ('[log]\nlevel = "verbose"', "[log] level: expected one of debug, info"),
+            (
+                '[log]\nformat = "xml"',
+                "[log] format: expected one of auto, json, console; got 'xml'",
+            ),
+            (
+                "[daemon]\nsocket_mode = 432",
+                '[daemon] socket_mode: expected an octal string like "0660", got 432',
+            ),
+            ('[daemon]\nsocket_mode = "0999"', "[daemon] socket_mode: expected an octal string"),
+            ("[daemon]\nallowed_uids = 5", "[daemon] allowed_uids: expected a list, got 5"),
+            ("[daemon]\nallowed_uids = [-1]", "[daemon] allowed_uids: must be >= 0, got -1"),
+            (
+                '[daemon]\nallowed_uids = ["root"]',
+                "[daemon] allowed_uids: expected an integer, got 'root'",
+            ),
+            (
+                '[daemon]\nallowed_groups = ["no-such-group-xyz"]',
+                "[daemon] allowed_groups: unknown group 'no-such-group-xyz'",
+            ),
+            ("[daemon]\nsocket = 3", "[daemon] socket: expected a path string, got 3"),
+            ('[daemon]\nsocket = ""', "[daemon] socket: expected a path string"),
+            (
+                f'[daemon]\nsocket = "/{"s" * 120}"',
+                "[daemon] socket: path too long for a Unix socket",
+            ),
+            ("[store]\npath = []", "[store] path: expected a path string, got []"),
+            (
+                '[store]\npath = "$HOME/db"',
+                "[store] path: only $STATE_DIRECTORY and $RUNTIME_DIRECTORY",
+            ),
+            (
+                '[workflows]\nmodules = ["a b"]',
+                "[workflows] modules: expected dotted module names, got 'a b'",
+            ),
+            ('[workflows]\nmodules = "a"', "[workflows] modules: expected a list, got 'a'"),
+            ("[workflows]\npaths = [1]", "[workflows] paths: expected a path string, got 1"),
+        ],
+    )
+    def test_bad_value_names_the_key(self, tmp_path: Path, text: str, expected: str) -> None:
+        """Each kind of bad value gives one line naming the file and the key."""
+        message = error_of(tmp_path, text)
+        assert message.startswith(f"{tmp_path / 'config.toml'}: ")
+        assert expected in message
+
+    def test_invalid_toml(self, tmp_path: Path) -> None:
+        """A syntax error is reported on one line with the file name."""
+        assert "invalid TOML" in error_of(tmp_path, "[daemon\n")
+
+    def test_missing_file(self, tmp_path: Path) -> None:
+        """A missing file is a ConfigError, not an OSError."""
+        with pytest.raises(ConfigError, match="cannot read: No such file"):
+            load_config(tmp_path / "absent.toml")
+
+
+class TestSystemdDirectories:
+    def test_state_and_runtime_directory_expand(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """$STATE_DIRECTORY and $RUNTIME_DIRECTORY at the start of a path are expanded."""
+        monkeypatch.setenv("STATE_DIRECTORY", "/var/lib/workflowd:/var/lib/other")
+        monkeypatch.setenv("RUNTIME_DIRECTORY", "/run/workflowd")
+        cfg = load_config(
+            write(
+                tmp_path,
+                '[store]\npath = "$STATE_DIRECTORY/workflowd.db"\n'
+                '[daemon]\nsocket = "$RUNTIME_DIRECTORY/workflowd.sock"\n',
+            )
+        )
+        assert cfg.store.path == Path("/var/lib/workflowd/workflowd.db")
+        assert cfg.daemon.socket == Path("/run/workflowd/workflowd.sock")
+
+    def test_unset_variable_is_an_error(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """An unset variable is a clear error naming the key and the systemd setting."""
+        monkeypatch.delenv("STATE_DIRECTORY", raising=False)
+        message = error_of(tmp_path, '[store]\npath = "$STATE_DIRECTORY/workflowd.db"')
+        assert "[store] path: $STATE_DIRECTORY is not set" in message
+        assert "StateDirectory=" in message
+
+    def test_example_service_config_loads(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """systemd/config.toml is valid once systemd has set the directories and the group exists."""
+        real = grp.getgrnam
+        fake = grp.struct_group(("workflowd", "x", 4242, []))
+        monkeypatch.setattr(grp, "getgrnam", lambda n: fake if n == "workflowd" else real(n))
+        monkeypatch.setenv("STATE_DIRECTORY", "/var/lib/workflowd")
+        monkeypatch.setenv("RUNTIME_DIRECTORY", "/run/workflowd")
+        cfg = load_config(REPO / "systemd" / "config.toml")
+        assert cfg.store.path == Path("/var/lib/workflowd/workflowd.db")
+        assert cfg.daemon.socket == Path("/run/workflowd/workflowd.sock")
+        assert cfg.daemon.allowed_groups == (4242,)
+        assert cfg.workflows.paths == (REPO / "systemd" / "workflows",)
+
+
+class TestImportWorkflowModules:
+    def test_imports_from_configured_path(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Modules are imported from the configured paths, which land on sys.path."""
+        monkeypatch.setattr(sys, "path", list(sys.path))
+        (tmp_path / "wf").mkdir()
+        (tmp_path / "wf" / "cfgtest_good.py").write_text("VALUE = 42\n")
+        cfg = load_config(
+            write(tmp_path, '[workflows]\npaths = ["wf"]\nmodules = ["cfgtest_good"]\n')
+        )
+        try:
+            [module] = import_workflow_modules(cfg)
+            assert module.VALUE == 42
+            assert str(tmp_path / "wf") in sys.path
+        finally:
+            sys.modules.pop("cfgtest_good", None)
+
+    @pytest.mark.parametrize(
+        ("source", "reason"),
+        [
+            (None, "ModuleNotFoundError: No module named 'cfgtest_bad'"),
+            ("def f(:\n", "SyntaxError: "),
+            ("raise RuntimeError('boom\\nsecond line')\n", "RuntimeError: boom second line"),
+        ],
+    )
+    def test_import_failure_is_config_error(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str | None, reason: str
+    ) -> None:
+        """A module that is missing, broken or raises gives one line naming it and the reason."""
+        monkeypatch.setattr(sys, "path", list(sys.path))
+        if source is not None:
+            (tmp_path / "cfgtest_bad.py").write_text(source)
+        cfg = load_config(write(tmp_path, '[workflows]\nmodules = ["cfgtest_bad"]\n'))
+        try:
+            with pytest.raises(ConfigError) as info:
+                import_workflow_modules(cfg)
+        finally:
+            sys.modules.pop("cfgtest_bad", None)
+        message = str(info.value)
+        assert message.startswith("[workflows] modules: cannot import 'cfgtest_bad': ")
+        assert reason in message
+        assert "\n" not in message

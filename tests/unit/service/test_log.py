@@ -1,0 +1,217 @@
+"""Tests for daemon.log: JSON lines, stdlib routing, live level changes and the LogHub."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import structlog
+
+from daemon.service.log import LogHub, configure_logging, set_level
+
+# Every test here configures logging; the fixture (tests/conftest.py) undoes it afterwards.
+pytestmark = pytest.mark.usefixtures("restore_logging")
+
+
+def lines(stream: io.StringIO) -> list[dict[str, Any]]:
+    """Parse every line written so far as one JSON object."""
+    return [json.loads(line) for line in stream.getvalue().splitlines()]
+
+
+async def take(records: AsyncIterator[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """Read `n` records, failing instead of hanging if they never come."""
+    out = []
+    with anyio.fail_after(5):
+        for _ in range(n):
+            out.append(await records.__anext__())
+    return out
+
+
+class TestOutput:
+    def test_json_lines_with_context(self) -> None:
+        """Each event is one JSON line with timestamp, level, event and bound context."""
+        out = io.StringIO()
+        configure_logging("info", "json", out, cache=False)
+        with structlog.contextvars.bound_contextvars(workflow_id="w1"):
+            structlog.get_logger().info("step_done", step="a", path=Path("/x"), tags={1})
+        [record] = lines(out)
+        assert record["event"] == "step_done"
+        assert record["level"] == "info"
+        assert record["workflow_id"] == "w1"
+        assert record["step"] == "a"
+        assert record["path"] == "/x"
+        assert record["timestamp"].endswith("Z")
+
+    def test_auto_is_json_when_not_a_tty(self) -> None:
+        """The auto format writes JSON to a stream that is not a terminal."""
+        out = io.StringIO()
+        configure_logging("info", "auto", out, cache=False)
+        structlog.get_logger().warning("disk_full")
+        assert lines(out)[0]["level"] == "warning"
+
+    def test_console_format(self) -> None:
+        """The console format writes readable, non-JSON lines."""
+        out = io.StringIO()
+        configure_logging("info", "console", out, cache=False)
+        structlog.get_logger().info("step_done", step="a")
+        text = out.getvalue()
+        assert "step_done" in text
+        assert "step=a" in text
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(text)
+
+    def test_exception_is_structured(self) -> None:
+        """log.exception renders the traceback as structured data."""
+        out = io.StringIO()
+        configure_logging("info", "json", out, cache=False)
+        try:
+            raise ValueError("bad")
+        except ValueError:
+            structlog.get_logger().exception("step_failed")
+        [record] = lines(out)
+        assert record["level"] == "error"
+        assert record["exception"][0]["exc_type"] == "ValueError"
+
+    def test_stdlib_logs_are_json(self) -> None:
+        """Records from stdlib loggers become JSON lines with the logger name and context."""
+        out = io.StringIO()
+        configure_logging("info", "json", out, cache=False)
+        with structlog.contextvars.bound_contextvars(workflow_id="w2"):
+            logging.getLogger("asyncio").warning("slow callback %s", 7)
+        [record] = lines(out)
+        assert record["event"] == "slow callback 7"
+        assert record["level"] == "warning"
+        assert record["logger"] == "asyncio"
+        assert record["workflow_id"] == "w2"
+        assert "timestamp" in record
+
+    def test_reconfigure_does_not_duplicate(self) -> None:
+        """Configuring twice leaves one stdlib handler, writing to the new stream."""
+        first, second = io.StringIO(), io.StringIO()
+        configure_logging("info", "json", first, cache=False)
+        configure_logging("info", "json", second, cache=False)
+        logging.getLogger("x").warning("once")
+        assert first.getvalue() == ""
+        assert len(lines(second)) == 1
+
+
+class TestLevel:
+    def test_level_filters(self) -> None:
+        """Events under the configured level are dropped, for structlog and stdlib alike."""
+        out = io.StringIO()
+        configure_logging("warning", "json", out, cache=False)
+        structlog.get_logger().info("hidden")
+        logging.getLogger("x").info("hidden too")
+        structlog.get_logger().error("shown")
+        assert [r["event"] for r in lines(out)] == ["shown"]
+
+    def test_set_level_reaches_cached_loggers(self) -> None:
+        """set_level changes the level even for a logger cached before the change."""
+        out = io.StringIO()
+        configure_logging("info", "json", out, cache=True)
+        log = structlog.get_logger()
+        log.debug("before")
+        log.info("cached")
+        set_level("debug")
+        log.debug("after")
+        logging.getLogger("x").debug("stdlib after")
+        set_level("error")
+        log.warning("muted")
+        assert [r["event"] for r in lines(out)] == ["cached", "after", "stdlib after"]
+
+    def test_unknown_level(self) -> None:
+        """An unknown level name is refused."""
+        with pytest.raises(ValueError, match="verbose"):
+            set_level("verbose")
+
+
+class TestLogHub:
+    async def test_buffered_then_live(self) -> None:
+        """A subscriber first gets the buffered records, then new ones as they are logged."""
+        hub = LogHub(size=2)
+        configure_logging("info", "json", io.StringIO(), cache=False, hub=hub)
+        log = structlog.get_logger()
+        for n in range(3):
+            log.info("old", n=n)
+        async with hub.subscribe() as records:
+            assert [r["n"] for r in await take(records, 2)] == [1, 2]
+            log.info("new", n=3, path=Path("/p"))
+            [record] = await take(records, 1)
+        assert record["event"] == "new"
+        assert record["path"] == "/p"
+        assert record["level"] == "info"
+        assert "timestamp" in record
+
+    async def test_filters_by_workflow(self) -> None:
+        """Subscribing with a workflow id yields only that workflow's records."""
+        hub = LogHub()
+        configure_logging("info", "json", io.StringIO(), cache=False, hub=hub)
+        log = structlog.get_logger()
+        log.info("a", workflow_id="w1")
+        log.info("b", workflow_id="w2")
+        async with hub.subscribe("w1") as records:
+            with structlog.contextvars.bound_contextvars(workflow_id="w2"):
+                log.info("c")
+            with structlog.contextvars.bound_contextvars(workflow_id="w1"):
+                log.info("d")
+            assert [r["event"] for r in await take(records, 2)] == ["a", "d"]
+
+    async def test_stdlib_records_from_a_thread(self) -> None:
+        """Records logged from another thread wake the subscriber."""
+        hub = LogHub()
+        configure_logging("info", "json", io.StringIO(), cache=False, hub=hub)
+        async with hub.subscribe() as records:
+            thread = threading.Thread(target=logging.getLogger("aiosqlite").warning, args=("t",))
+            thread.start()
+            [record] = await take(records, 1)
+            thread.join()
+        assert record == {**record, "event": "t", "logger": "aiosqlite", "level": "warning"}
+
+    async def test_exceptions_are_jsonable(self) -> None:
+        """A record with a traceback reaches subscribers as plain JSON data in console mode too."""
+        hub = LogHub()
+        configure_logging("info", "console", io.StringIO(), cache=False, hub=hub)
+        try:
+            raise KeyError("k")
+        except KeyError:
+            structlog.get_logger().exception("boom")
+        async with hub.subscribe() as records:
+            [record] = await take(records, 1)
+        assert "KeyError" in record["exception"]
+        json.dumps(record)
+
+    async def test_slow_subscriber_does_not_block(self) -> None:
+        """A subscriber that does not read loses records, counted, while logging goes on."""
+        hub = LogHub(size=10, subscriber_limit=3)
+        out = io.StringIO()
+        configure_logging("info", "json", out, cache=False, hub=hub)
+        log = structlog.get_logger()
+        async with hub.subscribe() as slow, hub.subscribe() as fast:
+            for n in range(3):
+                log.info("e", n=n)
+                assert (await take(fast, 1))[0]["n"] == n
+            for n in range(3, 50):
+                log.info("e", n=n)
+            assert len(lines(out)) == 50
+            got = await take(slow, 4)
+            assert [r.get("n") for r in got[:3]] == [0, 1, 2]
+            assert got[3] == {"event": "log_records_dropped", "level": "warning", "count": 47}
+            log.info("e", n=50)
+            assert (await take(slow, 1))[0]["n"] == 50
+            assert [r["n"] for r in await take(fast, 3)] == [3, 4, 5]
+
+    async def test_unsubscribe_stops_delivery(self) -> None:
+        """After the subscription closes, publishing no longer queues records for it."""
+        hub = LogHub()
+        async with hub.subscribe() as records:
+            hub.publish({"event": "x"})
+            await take(records, 1)
+        hub.publish({"event": "y"})
+        assert not hub._subs
