@@ -8,6 +8,10 @@ import msgspec
 
 #: The longest request line the daemon accepts, newline excluded.
 MAX_REQUEST_BYTES = 1 << 20
+#: How deeply a request's free-form values (`input`, `set`) may nest: `[[1]]` nests 2 deep.
+#: Workflow code, the store's encoder and error messages all recurse over such a value, so a
+#: deeper one is refused as `bad_input` up front, whatever depth the JSON decoder accepts.
+MAX_NESTING = 64
 
 #: Every error code a response can carry; clients may rely on them.
 ERROR_CODES = frozenset(
@@ -208,9 +212,43 @@ def decode_request(line: bytes) -> AnyRequest:
         raise ProtocolError("unknown_op", f"unknown op {op!r}", id)
     try:
         request: AnyRequest = msgspec.convert(obj, AnyRequest)
-        return request
     except msgspec.ValidationError as e:
         raise ProtocolError("bad_request", str(e), id) from None
+    except RecursionError:
+        raise ProtocolError("bad_input", f"a value nests deeper than {MAX_NESTING}", id) from None
+    check_nesting(line, request)
+    return request
+
+
+def check_nesting(line: bytes, request: AnyRequest) -> None:
+    """Raise ProtocolError (`bad_input`) if a free-form value nests deeper than MAX_NESTING.
+
+    `line` is the request as read: one with fewer brackets than the limit cannot nest that
+    deep, and counting them costs far less than walking the decoded value.
+    """
+    if line.count(b"[") + line.count(b"{") <= MAX_NESTING:
+        return
+    for name in ("input", "set"):
+        if _nests_deeper(getattr(request, name, None), MAX_NESTING):
+            message = f"`{name}` nests deeper than {MAX_NESTING} levels"
+            raise ProtocolError("bad_input", message, request.id)
+
+
+def _nests_deeper(value: Any, limit: int) -> bool:
+    """Tell whether `value` holds lists or objects more than `limit` deep, without recursing."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, above = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if above >= limit:
+            return True
+        stack.extend((child, above + 1) for child in children)
+    return False
 
 
 def ok(id: Id, result: Any) -> dict[str, Any]:

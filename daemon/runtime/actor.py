@@ -138,6 +138,11 @@ class Actor:
             self._reject_waiting(
                 Unavailable(f"cannot save workflow state: {type(e).__name__}: {e}")
             )
+            # So does the one whose item was in hand: it is off the queue, and nothing else
+            # would ever answer it. (An inbox item stays in the store and is applied later.)
+            for item in args:
+                if isinstance(item, Item) and item.reply is not None:
+                    item.reply.fail(_unexpected(e))
             self.cache.forget(self.workflow_id)
             self._history.clear()
             self._inbox_done.clear()
@@ -336,9 +341,19 @@ class Actor:
                 item.reply.fail(error)
 
 
+def _unexpected(e: Exception) -> WorkflowdError:
+    """Return the error to answer a request with when `e` broke its handling."""
+    if isinstance(e, WorkflowdError):
+        return e
+    if isinstance(e, sqlite3.Error | OSError):
+        return Unavailable(f"cannot save workflow state: {type(e).__name__}: {e}")
+    return WorkflowdError(f"{type(e).__name__}: {e}")
+
+
 def _check_fits(wf: Workflow) -> None:
     """Raise HandlerRejected unless the data still round-trips through its field types."""
     try:
         type(wf).from_json(wf.to_json())
-    except (msgspec.MsgspecError, TypeError, ValueError) as e:
+    except (msgspec.MsgspecError, TypeError, ValueError, RecursionError) as e:
+        # RecursionError: data nested too deeply (or holding itself) to be saved.
         raise HandlerRejected(f"the input does not fit {type(wf).__name__}'s fields: {e}") from e
