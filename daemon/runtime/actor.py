@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from daemon.errors import CallbackNotFound, HandlerRejected, StepFailed, Unavail
 from daemon.runtime.arming import Arms
 from daemon.runtime.cache import Cache, Loaded
 from daemon.runtime.settings import Settings
-from daemon.runtime.steps import run_step
+from daemon.runtime.steps import StepRun, run_step
 from daemon.runtime.work import Item, Reply
 from daemon.store.base import Store
 
@@ -56,7 +55,8 @@ class Actor:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     #: Set once the actor has exited (a repair waits for it).
     done: asyncio.Event = field(default_factory=asyncio.Event)
-    running_step: tuple[str, float] | None = None
+    #: The step in flight, for `show`.
+    running_step: StepRun | None = None
     _scope: anyio.CancelScope | None = None
     _interruptible: bool = False
     _cancelling: bool = False
@@ -215,9 +215,9 @@ class Actor:
                 self.on_leftover()
 
     async def _run_step(self, step: Step) -> None:
-        self.running_step = (step.name, time.monotonic())
+        self.running_step = run = StepRun(step.name)
         try:
-            await run_step(step, limiter=self.limiter, note=self._note)
+            await run_step(step, limiter=self.limiter, note=self._note, run=run)
         finally:
             self.running_step = None
 

@@ -15,7 +15,7 @@ import anyio
 from tests.helpers import REPO
 from tests.helpers.client import Client
 from tests.helpers.harness import running_daemon
-from tests.helpers.wait import wait_status
+from tests.helpers.wait import logged, shown_when, until, wait_status
 
 MODULES = ["tests.workflows.stalls"]
 #: How deeply request values may nest (README, "The control protocol").
@@ -137,3 +137,55 @@ class TestCtlTimeout:
         assert b"no answer within 1 s" in done.stderr
         assert 1 <= took < 15
         assert alive.returncode == 0, alive.stderr
+
+
+class TestStepSlots:
+    """A hung sync step gives its worker slot back at its timeout, and `show` tells who waits."""
+
+    async def test_step_past_its_timeout_frees_its_slot(self, tmp_path: Path) -> None:
+        """Two hung steps with a timeout, two slots: a third workflow's step still runs."""
+        gate = tmp_path / "gate"
+        runs = tmp_path / "runs"
+        slots = {"max_concurrent_steps": 2}
+        async with running_daemon(tmp_path, MODULES, runtime=slots) as d, d.client() as c:
+            try:
+                for n in range(2):
+                    stuck = {"gate": str(gate), "runs": str(runs), "timeout": 0.5}
+                    await c.call("start", workflow="Stuck", workflow_id=f"s{n}", input=stuck)
+                await until(lambda: runs.exists() and len(runs.read_text().splitlines()) >= 2)
+                await c.call("start", workflow="Quick", workflow_id="q")
+                shown = await wait_status(c, "q", "Finished", limit_s=15)
+                abandoned = await logged(d, "step_abandoned", 2, step="hold", reason="timeout")
+                stuck_shown = await c.call("show", workflow_id="s0")
+            finally:
+                gate.touch()  # lets every abandoned thread end
+            for n in range(2):
+                await wait_status(c, f"s{n}", "Waiting")
+            history = await c.call("history", workflow_id="s0")
+        assert shown["data"]["ran"] is True
+        assert all(r["abandoned_total"] >= 1 for r in abandoned)
+        assert "timeout" in (stuck_shown["error"] or "")
+        kinds = [h["kind"] for h in history]
+        assert "step_abandoned" in kinds and "step_failed" in kinds
+
+    async def test_show_tells_queued_from_running(self, tmp_path: Path) -> None:
+        """With the only slot held, the next step shows `queued_since`; the holder `running_since`."""
+        gate = tmp_path / "gate"
+        slots = {"max_concurrent_steps": 1}
+        async with running_daemon(tmp_path, MODULES, runtime=slots) as d, d.client() as c:
+            try:
+                began = time.time()
+                await c.call("start", workflow="Stuck", workflow_id="s", input={"gate": str(gate)})
+                holder = await shown_when(c, "s", lambda s: "running_step" in s)
+                await c.call("start", workflow="Quick", workflow_id="q")
+                starved = await shown_when(c, "q", lambda s: "running_step" in s)
+                holder = await c.call("show", workflow_id="s")
+            finally:
+                gate.touch()
+            await wait_status(c, "q", "Finished")
+        held, waiting = holder["running_step"], starved["running_step"]
+        assert held["step"] == "hold" and "queued_since" not in held
+        assert began - 1 <= held["running_since"] <= time.time() and held["for_s"] >= 0
+        assert waiting["step"] == "quick" and "running_since" not in waiting
+        assert held["running_since"] <= waiting["queued_since"] <= time.time()
+        assert waiting["for_s"] >= 0
