@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,7 +116,7 @@ class Actor:
                 return
             item = self.items.popleft()
             if item.kind == "callback":
-                loaded = await self._guard(self._callback, loaded, item)
+                loaded = await self._guard(_answered, loaded, self._callback, item)
             elif item.kind == "resume":
                 loaded.next_run_at = self.clock.now()  # resume once (e.g. to retry a setup)
 
@@ -138,11 +138,6 @@ class Actor:
             self._reject_waiting(
                 Unavailable(f"cannot save workflow state: {type(e).__name__}: {e}")
             )
-            # So does the one whose item was in hand: it is off the queue, and nothing else
-            # would ever answer it. (An inbox item stays in the store and is applied later.)
-            for item in args:
-                if isinstance(item, Item) and item.reply is not None:
-                    item.reply.fail(_unexpected(e))
             self.cache.forget(self.workflow_id)
             self._history.clear()
             self._inbox_done.clear()
@@ -339,6 +334,21 @@ class Actor:
             item = self.items.popleft()
             if item.reply is not None:
                 item.reply.fail(error)
+
+
+async def _answered(
+    loaded: Loaded, callback: Callable[[Loaded, Item], Awaitable[None]], item: Item
+) -> None:
+    """Apply a callback item; if that raises, answer its sender with the error, then re-raise.
+
+    The item is off the queue by then, so nothing else would ever answer it.
+    """
+    try:
+        await callback(loaded, item)
+    except Exception as e:
+        if item.reply is not None:
+            item.reply.fail(_unexpected(e))
+        raise
 
 
 def _unexpected(e: Exception) -> WorkflowdError:
