@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from daemon.core.definition import Definition, named
+from daemon.core.definition import Definition, kind_of
 from daemon.core.state import MAIN_THREAD, State, ThreadStatus
 from daemon.core.workflow import Workflow
 
@@ -22,11 +22,10 @@ def blockers(registry: Registry, name: str, data: str | bytes, state: State) -> 
     if cls is None:
         return [f"workflow type {name!r} is gone"]
     try:
-        root = cls.from_json(data).definition()
-        defn = Definition(root)
+        defn = Definition(cls.from_json(data).definition())
     except Exception as e:  # noqa: BLE001 - any failure of the new code blocks it
         return [f"new code cannot load it: {type(e).__name__}: {e}"]
-    kinds = {n.name: n.kind for n in named(root)}
+    kinds = {name: kind_of(node) for name, node in defn.named.items()}
     found: list[str] = []
     for t in state.threads:
         if t.name != MAIN_THREAD and t.name not in defn.gos:
