@@ -16,7 +16,6 @@ import structlog
 
 from daemon.core.compat import blockers
 from daemon.core.definition import Definition, goto_targets
-from daemon.core.engine import handlers_of, release_thread, release_waits, teardown_waits
 from daemon.core.lint import lint_workflow
 from daemon.core.state import (
     FINAL_STATUSES,
@@ -27,6 +26,7 @@ from daemon.core.state import (
     WorkflowStatus,
 )
 from daemon.core.statements import Section, definition_to_dict
+from daemon.core.waits import handlers_of, release_thread, release_waits, teardown_waits
 from daemon.core.workflow import Workflow
 from daemon.errors import (
     BadInput,

@@ -17,9 +17,10 @@ from structlog.contextvars import bound_contextvars
 
 from daemon.clock import Clock
 from daemon.core.definition import Definition
-from daemon.core.engine import handle_callback, resume, teardown_ended
+from daemon.core.engine import handle_callback, resume
 from daemon.core.state import FINAL_STATUSES, CheckpointType, EventStatus, WorkflowStatus
 from daemon.core.statements import NonRetryableError, Retry, Step
+from daemon.core.waits import teardown_ended
 from daemon.core.workflow import Workflow
 from daemon.errors import CallbackNotFound, HandlerRejected, StepFailed, Unavailable, WorkflowdError
 from daemon.runtime.arming import Arms

@@ -12,8 +12,7 @@ import anyio.abc
 import structlog
 
 from daemon.clock import Clock
-from daemon.core.definition import Definition
-from daemon.core.engine import Definable
+from daemon.core.definition import Definable, Definition
 from daemon.core.handler import CallbackRequest, Deliver, Handler
 from daemon.core.state import FINAL_STATUSES, EventStatus, State
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import anyio
 import structlog
 
-from daemon.core.engine import teardown_ended
+from daemon.core.waits import teardown_ended
 from daemon.errors import WorkflowdError
 from daemon.runtime.cache import Cache
 from daemon.store.base import Store
