@@ -16,6 +16,7 @@ import msgspec
 import structlog
 
 from daemon.clock import Clock, get_clock, use_clock
+from daemon.core.compat import misfit
 from daemon.core.handler import CallbackRequest
 from daemon.core.lint import Finding, lint_workflow
 from daemon.core.state import FINAL_STATUSES, EventStatus, State, WorkflowStatus
@@ -160,28 +161,63 @@ class Runtime:
     # -- recovery ---------------------------------------------------------------------------
 
     async def recover(self) -> None:
-        """Pick up every unfinished workflow: resume runnable ones, re-arm waiting ones."""
-        counts = dict.fromkeys(("resumed", "armed", "broken", "held"), 0)
+        """Pick up every unfinished workflow: resume runnable ones, re-arm waiting ones.
+
+        Each is checked against the code first; one that does not fit is held with the reason.
+        """
+        counts = dict.fromkeys(("resumed", "armed", "broken", "incompatible", "held"), 0)
+        pending = await self.store.inbox_pending()
+        unseen = {p.workflow_id for p in pending}
         async for row in self.store.unfinished():
+            unseen.discard(row.id)
             counts[await self.recover_one(row)] += 1
-        for pending in await self.store.inbox_pending():
-            req = CallbackRequest(pending.workflow_id, pending.thread_id, pending.event, pending.pc)
-            self.scheduler.submit(
-                pending.workflow_id,
-                Item("callback", req=req, input=pending.input, inbox_id=pending.id),
+        # Ids that are not unfinished: ended ones reject their events; missing ones cannot.
+        gone = {wid for wid in unseen if await self.store.get(wid) is None}
+        dropped: builtins.list[int] = []
+        for pending_row in pending:
+            if pending_row.workflow_id in gone:
+                log.warning(
+                    "inbox_dropped",
+                    inbox_id=pending_row.id,
+                    workflow_id=pending_row.workflow_id,
+                    event_name=pending_row.event,
+                    reason="no such workflow",
+                )
+                dropped.append(pending_row.id)
+                continue
+            req = CallbackRequest(
+                pending_row.workflow_id, pending_row.thread_id, pending_row.event, pending_row.pc
             )
+            self.scheduler.submit(
+                pending_row.workflow_id,
+                Item("callback", req=req, input=pending_row.input, inbox_id=pending_row.id),
+            )
+        if dropped:
+            await self.store.inbox_done(dropped)
         log.info("recovered", **counts)
 
     async def recover_one(self, row: WorkflowRow) -> str:
-        """Resume or re-arm one unfinished workflow; return which (or "broken", "held")."""
-        if self.scheduler.hold.holds(row.id):
-            return "held"
+        """Resume or re-arm one unfinished workflow that fits the code; return what was done.
+
+        "resumed" or "armed"; "held" by `workflowd --hold`; "incompatible" (it does not fit
+        the code) or "broken" (its row does not decode, or its waits cannot be armed).
+        """
+        hold = self.scheduler.hold
         try:
             loaded = self.cache.decode(row)
         except WorkflowdError as e:
+            self._hold_unfit(row, str(e))
             log.error("workflow_corrupt", workflow_id=row.id, workflow=row.name, error=str(e))
-            await self.store.set_status(row.id, status=row.status, error=str(e))
             return "broken"
+        reason = misfit(self.cache.registry, row.name, row.data, loaded.state)
+        if reason is not None:
+            self._hold_unfit(row, reason)
+            log.error("workflow_incompatible", workflow_id=row.id, workflow=row.name, reason=reason)
+            return "incompatible"
+        if hold.incompatible.pop(row.id, None) is not None:
+            log.info("workflow_fits", workflow_id=row.id, workflow=row.name)
+        if hold.holds(row.id):
+            return "held"
         state = loaded.state
         needs_setup = any(
             ev.status is not EventStatus.SETUP for t in state.threads for ev in t.wait_events
@@ -196,6 +232,38 @@ class Runtime:
             log.error("workflow_rearm_failed", workflow_id=row.id, error=str(e))
             return "broken"
         return "armed"
+
+    def _hold_unfit(self, row: WorkflowRow, reason: str) -> None:
+        """Hold a workflow that cannot run under this code: nothing armed, nothing resumed."""
+        self.scheduler.hold.incompatible[row.id] = reason
+        self.arms.disarm_workflow(row.id)
+
+    async def refit(self) -> builtins.list[dict[str, Any]]:
+        """Check the workflows held as unfit against the code now registered; return the rest.
+
+        One that fits now is released (armed, resumed, and its parked events applied).
+        """
+        hold, still = self.scheduler.hold, []
+        for wid in builtins.list(hold.incompatible):
+            row = await self.store.get(wid)
+            if row is None or row.status in FINAL_STATUSES:  # cancelled meanwhile
+                hold.incompatible.pop(wid, None)
+                continue
+            await self.recover_one(row)
+            reason = hold.incompatible.get(wid)
+            if reason is None:
+                self.scheduler.unpark(wid)
+            else:
+                still.append({"workflow_id": wid, "workflow": row.name, "reason": reason})
+        return still
+
+    def unfit(self, workflow_id: str) -> str | None:
+        """Say why a workflow is held for not fitting the running code, or None."""
+        return self.scheduler.hold.incompatible.get(workflow_id)
+
+    def incompatible(self) -> int:
+        """Count the workflows held because they do not fit the running code."""
+        return len(self.scheduler.hold.incompatible)
 
     # -- the API the control socket calls ---------------------------------------------------
 
@@ -244,6 +312,9 @@ class Runtime:
     ) -> Any:
         """Deliver an event; returns the handler's output once it is durable."""
         self._check_open()
+        unfit = self.scheduler.hold.incompatible.get(workflow_id)
+        if unfit is not None:
+            raise Conflict(f"workflow {workflow_id} does not fit the running code: {unfit}")
         loaded = await self.cache.load(workflow_id)
         if loaded.state.status in FINAL_STATUSES:
             raise CallbackNotFound(f"workflow {workflow_id} is {loaded.state.status}")
@@ -265,7 +336,10 @@ class Runtime:
     async def cancel(self, workflow_id: str) -> dict[str, Any]:
         """Cancel a workflow: tear down its waits and stop a running step."""
         self._check_open()
-        loaded = await self.cache.load(workflow_id)
+        try:
+            loaded = await self.cache.load(workflow_id)
+        except Conflict as e:  # its row does not decode: no actor can load it
+            return await self._cancel_undecodable(workflow_id, str(e))
         if loaded.state.status in FINAL_STATUSES:
             return {"workflow_id": workflow_id, "status": loaded.state.status.value}
         reply = Reply()
@@ -274,6 +348,37 @@ class Runtime:
         if actor is not None:
             actor.interrupt()
         await reply.wait()
+        if self.scheduler.hold.incompatible.pop(workflow_id, None) is not None:
+            self.scheduler.unpark(workflow_id)  # its queued events are rejected: it has ended
+        return {"workflow_id": workflow_id, "status": WorkflowStatus.CANCELLED.value}
+
+    async def _cancel_undecodable(self, workflow_id: str, problem: str) -> dict[str, Any]:
+        """Cancel a workflow whose row does not decode, without its waits' teardown."""
+        row = await self.store.get(workflow_id)
+        if row is None:
+            raise WorkflowNotFound(f"no workflow {workflow_id!r}")
+        if row.status in FINAL_STATUSES:
+            return {"workflow_id": workflow_id, "status": row.status}
+        note = f"cancelled without tearing down its waits: {problem}"
+        await self.store.set_status(
+            workflow_id,
+            status=WorkflowStatus.CANCELLED.value,
+            error=row.error,
+            history=[("cancelled", {"error": None, "note": note})],
+        )
+        log.warning("workflow_cancelled", workflow_id=workflow_id, workflow=row.name, note=note)
+        hold = self.scheduler.hold
+        hold.incompatible.pop(workflow_id, None)
+        self.cache.forget(workflow_id)
+        ended = CallbackNotFound(f"workflow {workflow_id} is Cancelled")
+        inbox = []
+        for item in hold.parked.pop(workflow_id, []):
+            if item.reply is not None:
+                item.reply.fail(ended)
+            if item.inbox_id is not None:
+                inbox.append(item.inbox_id)
+        if inbox:
+            await self.store.inbox_done(inbox)
         return {"workflow_id": workflow_id, "status": WorkflowStatus.CANCELLED.value}
 
     async def list(
@@ -359,6 +464,7 @@ class Runtime:
             "updated_at": row.updated_at,
             "waiting_for": waiting,
             "error": row.error,
+            "incompatible": self.scheduler.hold.incompatible.get(row.id),
         }
 
 
