@@ -131,6 +131,11 @@ class Repairs:
     def _unfit(self, workflow_id: str) -> bool:
         return workflow_id in self._scheduler.hold.incompatible
 
+    def _still_unfit(self, workflow_id: str) -> dict[str, str]:
+        """Say, in a repair's answer, that the workflow is still held for not fitting the code."""
+        reason = self._scheduler.hold.incompatible.get(workflow_id)
+        return {} if reason is None else {"incompatible": reason}
+
     def _refit(self, loaded: Loaded) -> None:
         """Check a repaired workflow against the code: hold it if it does not fit, else let go."""
         s, unfit = loaded.state, self._scheduler.hold.incompatible
@@ -179,7 +184,8 @@ class Repairs:
             await self._save(
                 loaded, "goto", {**detail, "before": was, "after": _thread(t), "undo": before}
             )
-            return {"workflow_id": workflow_id, "status": s.status.value, "thread": _thread(t)}
+            out = {"workflow_id": workflow_id, "status": s.status.value, "thread": _thread(t)}
+            return {**out, **self._still_unfit(workflow_id)}
 
     async def edit(
         self, workflow_id: str, values: dict[str, Any], *, who: int | None = None
@@ -216,7 +222,8 @@ class Repairs:
                 "undo": before,
             }
             await self._save(loaded, "edit", detail)
-            return {"workflow_id": workflow_id, "status": s.status.value, "data": now}
+            out = {"workflow_id": workflow_id, "status": s.status.value, "data": now}
+            return {**out, **self._still_unfit(workflow_id)}
 
     async def undo(self, workflow_id: str, *, who: int | None = None) -> dict[str, Any]:
         """Put back the data and state from before the last goto or edit not undone yet."""
@@ -244,7 +251,8 @@ class Repairs:
             await self._teardown_gone(loaded, state)
             detail = {**_who(who), "reverts": row.kind, "reverts_at": row.at}
             await self._save(old, "undo", detail)
-            return {"workflow_id": workflow_id, "status": state.status.value, "reverted": row.kind}
+            out = {"workflow_id": workflow_id, "status": state.status.value, "reverted": row.kind}
+            return {**out, **self._still_unfit(workflow_id)}
 
     async def _teardown_gone(self, loaded: Loaded, keep: State) -> None:
         """Tear down the waits of the current state that the restored one does not have."""
@@ -266,7 +274,8 @@ class Repairs:
             _revive(loaded)
             loaded.state.update_status()
             await self._save(loaded, "retry", {**_who(who), "error": error})
-            return {"workflow_id": workflow_id, "status": loaded.state.status.value}
+            out = {"workflow_id": workflow_id, "status": loaded.state.status.value}
+            return {**out, **self._still_unfit(workflow_id)}
 
     async def release(self, workflow_id: str) -> dict[str, Any]:
         """Let one held workflow run: arm its waits and resume it."""

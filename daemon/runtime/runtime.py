@@ -349,7 +349,7 @@ class Runtime:
             actor.interrupt()
         await reply.wait()
         if self.scheduler.hold.incompatible.pop(workflow_id, None) is not None:
-            self.scheduler.unpark(workflow_id)  # its queued events are rejected: it has ended
+            await self._drop_parked(workflow_id)
         return {"workflow_id": workflow_id, "status": WorkflowStatus.CANCELLED.value}
 
     async def _cancel_undecodable(self, workflow_id: str, problem: str) -> dict[str, Any]:
@@ -367,19 +367,23 @@ class Runtime:
             history=[("cancelled", {"error": None, "note": note})],
         )
         log.warning("workflow_cancelled", workflow_id=workflow_id, workflow=row.name, note=note)
-        hold = self.scheduler.hold
-        hold.incompatible.pop(workflow_id, None)
+        self.scheduler.hold.incompatible.pop(workflow_id, None)
         self.cache.forget(workflow_id)
+        await self._drop_parked(workflow_id)
+        return {"workflow_id": workflow_id, "status": WorkflowStatus.CANCELLED.value}
+
+    async def _drop_parked(self, workflow_id: str) -> None:
+        """Reject what was queued for a held workflow that was cancelled, inbox rows included."""
         ended = CallbackNotFound(f"workflow {workflow_id} is Cancelled")
         inbox = []
-        for item in hold.parked.pop(workflow_id, []):
+        for item in self.scheduler.hold.parked.pop(workflow_id, []):
             if item.reply is not None:
                 item.reply.fail(ended)
             if item.inbox_id is not None:
                 inbox.append(item.inbox_id)
         if inbox:
+            log.info("inbox_dropped", workflow_id=workflow_id, count=len(inbox), reason="cancelled")
             await self.store.inbox_done(inbox)
-        return {"workflow_id": workflow_id, "status": WorkflowStatus.CANCELLED.value}
 
     async def list(
         self, *, status: str | None = None, workflow: str | None = None, limit: int = 100
