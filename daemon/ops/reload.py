@@ -145,7 +145,11 @@ class Reloader:
         set_level(cfg.log.level)
         log.info("reloaded", workflows=sorted(registry))
         restart = self._apply(cfg, registry)
-        still = await self._refit()
+        try:
+            still = await self._refit()
+        except Exception as e:  # noqa: BLE001 - the reload is done; the next one checks again
+            log.error("reload_refit_failed", error=f"{type(e).__name__}: {e}")
+            still = []
         if still:
             log.warning("reload_left_incompatible", count=len(still), held=still[:MAX_LISTED])
         return {

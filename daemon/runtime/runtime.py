@@ -245,6 +245,10 @@ class Runtime:
         """
         hold, still = self.scheduler.hold, []
         for wid in builtins.list(hold.incompatible):
+            # A repair changing it checks it against this code itself; an actor on a held
+            # workflow can only be cancelling it.
+            if wid in hold.busy or self.scheduler.running(wid):
+                continue
             row = await self.store.get(wid)
             if row is None or row.status in FINAL_STATUSES:  # cancelled meanwhile
                 hold.incompatible.pop(wid, None)
