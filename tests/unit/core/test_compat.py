@@ -37,7 +37,7 @@ class TestBlockers:
     async def test_a_renamed_wait_and_event_block(self) -> None:
         """A thread waiting at a Wait whose name and event are gone does not fit."""
         d = await waiting()
-        data, new = d.wf.to_json(), {"Doc": After}
+        data, new = d.wf.to_json(), dict[str, type[Workflow]](Doc=After)
         assert blockers({"Doc": Before}, "Doc", data, d.state) == []
         assert misfit({"Doc": Before}, "Doc", data, d.state) is None
         assert blockers(new, "Doc", data, d.state) == [
