@@ -16,15 +16,15 @@ import msgspec
 import structlog
 
 from daemon.clock import Clock, get_clock, use_clock
-from daemon.core.compat import misfit
 from daemon.core.handler import CallbackRequest
 from daemon.core.lint import Finding, lint_workflow
 from daemon.core.state import FINAL_STATUSES, EventStatus, State, WorkflowStatus
-from daemon.errors import CallbackNotFound, Conflict, Unavailable, WorkflowdError, WorkflowNotFound
+from daemon.errors import CallbackNotFound, Conflict, Unavailable, WorkflowNotFound
 from daemon.runtime.actor import Actor
 from daemon.runtime.arming import Arms
 from daemon.runtime.cache import Cache, Loaded, Registry
 from daemon.runtime.janitor import Janitor
+from daemon.runtime.recovery import Recovery
 from daemon.runtime.scheduler import Hold, Scheduler
 from daemon.runtime.settings import Settings
 from daemon.runtime.work import Item, Reply
@@ -61,8 +61,8 @@ async def _replay(
 class Runtime:
     """Runs every workflow of one store; the control socket calls its public methods.
 
-    Its parts (`cache`, `scheduler`, `arms`, `janitor`) are public for the composition root,
-    which hands them to the operator's tools; no part is given the runtime itself.
+    Its parts (`cache`, `scheduler`, `arms`, `recovery`, `janitor`) are public for the
+    composition root, which hands them to the operator's tools; no part is given the runtime.
     """
 
     def __init__(
@@ -81,6 +81,9 @@ class Runtime:
             tg, cache=self.cache, hold=Hold(settings.hold), new_actor=self._new_actor
         )
         self.arms = Arms(tg, clock, self._submit_callback)
+        self.recovery = Recovery(
+            store=store, cache=self.cache, scheduler=self.scheduler, arms=self.arms
+        )
         hold = self.scheduler.hold
         self.janitor = Janitor(
             store=store,
@@ -161,105 +164,16 @@ class Runtime:
     # -- recovery ---------------------------------------------------------------------------
 
     async def recover(self) -> None:
-        """Pick up every unfinished workflow: resume runnable ones, re-arm waiting ones.
-
-        Each is checked against the code first; one that does not fit is held with the reason.
-        """
-        counts = dict.fromkeys(("resumed", "armed", "broken", "incompatible", "held"), 0)
-        pending = await self.store.inbox_pending()
-        unseen = {p.workflow_id for p in pending}
-        async for row in self.store.unfinished():
-            unseen.discard(row.id)
-            counts[await self.recover_one(row)] += 1
-        # Ids that are not unfinished: ended ones reject their events; missing ones cannot.
-        gone = {wid for wid in unseen if await self.store.get(wid) is None}
-        dropped: builtins.list[int] = []
-        for pending_row in pending:
-            if pending_row.workflow_id in gone:
-                log.warning(
-                    "inbox_dropped",
-                    inbox_id=pending_row.id,
-                    workflow_id=pending_row.workflow_id,
-                    event_name=pending_row.event,
-                    reason="no such workflow",
-                )
-                dropped.append(pending_row.id)
-                continue
-            req = CallbackRequest(
-                pending_row.workflow_id, pending_row.thread_id, pending_row.event, pending_row.pc
-            )
-            self.scheduler.submit(
-                pending_row.workflow_id,
-                Item("callback", req=req, input=pending_row.input, inbox_id=pending_row.id),
-            )
-        if dropped:
-            await self.store.inbox_done(dropped)
-        log.info("recovered", **counts)
+        """Pick up every unfinished workflow: resume, re-arm, or hold it if it does not fit."""
+        await self.recovery.recover()
 
     async def recover_one(self, row: WorkflowRow) -> str:
-        """Resume or re-arm one unfinished workflow that fits the code; return what was done.
-
-        "resumed" or "armed"; "held" by `workflowd --hold`; "incompatible" (it does not fit
-        the code) or "broken" (its row does not decode, or its waits cannot be armed).
-        """
-        hold = self.scheduler.hold
-        try:
-            loaded = self.cache.decode(row)
-        except WorkflowdError as e:
-            self._hold_unfit(row, str(e))
-            log.error("workflow_corrupt", workflow_id=row.id, workflow=row.name, error=str(e))
-            return "broken"
-        reason = misfit(self.cache.registry, row.name, row.data, loaded.state)
-        if reason is not None:
-            self._hold_unfit(row, reason)
-            log.error("workflow_incompatible", workflow_id=row.id, workflow=row.name, reason=reason)
-            return "incompatible"
-        if hold.incompatible.pop(row.id, None) is not None:
-            log.info("workflow_fits", workflow_id=row.id, workflow=row.name)
-        if hold.holds(row.id):
-            return "held"
-        state = loaded.state
-        needs_setup = any(
-            ev.status is not EventStatus.SETUP for t in state.threads for ev in t.wait_events
-        )
-        if state.status is WorkflowStatus.RESUMING or needs_setup:
-            self.cache.remember(loaded)
-            self.scheduler.submit(row.id, Item("resume"))
-            return "resumed"
-        try:
-            self.arms.rearm(loaded.wf, loaded.state)
-        except Exception as e:  # noqa: BLE001 - one bad definition must not stop recovery
-            log.error("workflow_rearm_failed", workflow_id=row.id, error=str(e))
-            return "broken"
-        return "armed"
-
-    def _hold_unfit(self, row: WorkflowRow, reason: str) -> None:
-        """Hold a workflow that cannot run under this code: nothing armed, nothing resumed."""
-        self.scheduler.hold.incompatible[row.id] = reason
-        self.arms.disarm_workflow(row.id)
+        """Resume, re-arm or hold one unfinished workflow; return which (see `Recovery`)."""
+        return await self.recovery.recover_one(row)
 
     async def refit(self) -> builtins.list[dict[str, Any]]:
-        """Check the workflows held as unfit against the code now registered; return the rest.
-
-        One that fits now is released (armed, resumed, and its parked events applied).
-        """
-        hold, still = self.scheduler.hold, []
-        for wid in builtins.list(hold.incompatible):
-            # A repair changing it checks it against this code itself; an actor on a held
-            # workflow can only be cancelling it.
-            if wid in hold.busy or self.scheduler.running(wid):
-                continue
-            row = await self.store.get(wid)
-            if row is None or row.status in FINAL_STATUSES:  # cancelled meanwhile
-                hold.incompatible.pop(wid, None)
-                continue
-            await self.recover_one(row)
-            reason = hold.incompatible.get(wid)
-            if reason is None:
-                self.scheduler.unpark(wid)
-            else:
-                still.append({"workflow_id": wid, "workflow": row.name, "reason": reason})
-        return still
+        """Release the held workflows that fit the code now registered; return the others."""
+        return await self.recovery.refit()
 
     def unfit(self, workflow_id: str) -> str | None:
         """Say why a workflow is held for not fitting the running code, or None."""
