@@ -92,7 +92,9 @@ async def run_daemon(
                 store=store,
                 cache=rt.cache,
                 running=rt.scheduler.running,
+                unfit=rt.unfit,
                 configure=rt.configure,
+                refit=rt.refit,
                 notifier=notifier,
             )
             repairs = Repairs(

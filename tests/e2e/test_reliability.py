@@ -162,7 +162,7 @@ class TestHandlerFailures:
 
 
 class TestCorruptRows:
-    """A broken row is marked and skipped; the daemon serves every other workflow."""
+    """A broken row is held and skipped; the daemon serves every other workflow."""
 
     async def test_corrupt_rows_skipped(self, tmp_path: Path) -> None:
         """Invalid JSON, wrong types and an unknown type are explained by `show`."""
@@ -200,7 +200,7 @@ class TestCorruptRows:
                     ("bad_types", "corrupt"),
                 ):
                     shown = await c.call("show", workflow_id=wid)
-                    assert why in (shown["error"] or ""), shown
+                    assert why in (shown["incompatible"] or ""), shown
                     response = await c.request("send", workflow_id=wid, event="add", input=1)
                     assert not response["ok"]
                 assert len(await c.call("list")) == len(ids)

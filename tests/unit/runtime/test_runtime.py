@@ -373,7 +373,7 @@ class TestRecovery:
             await wait_runtime_status(rt, "a1", "Finished")
 
     async def test_corrupt_row_skipped(self, tmp_path: Path) -> None:
-        """A row with invalid JSON is marked with an error; the others are served."""
+        """A row with invalid JSON is held with the reason; the others are served."""
         db = tmp_path / "wf.db"
         async with running(db) as rt:
             await rt.start("Approval", "bad")
@@ -383,9 +383,9 @@ class TestRecovery:
         with sqlite3.connect(db) as conn:
             conn.execute("UPDATE workflows SET state = '{not json' WHERE id = 'bad'")
         async with running(db) as rt:
-            assert (await rt.show("bad"))["error"].startswith("corrupt row")
+            assert (await rt.show("bad"))["incompatible"].startswith("corrupt row")
             assert await rt.send("good", "decision", {"decision": "y"}) == "recorded y"
-            with pytest.raises(Exception, match="corrupt"):
+            with pytest.raises(Conflict, match="corrupt"):
                 await rt.send("bad", "decision", {"decision": "y"})
 
     async def test_invalid_definition_fails_workflow(self, tmp_path: Path) -> None:
