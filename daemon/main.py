@@ -151,6 +151,11 @@ async def run_daemon(
                 log.info("daemon_stopped", steps_finished=finished)
             control.cancel()
             tg.cancel_scope.cancel()
+    # Leaving the receiver put the default handlers back, and the default for SIGTERM ends the
+    # process at once: a second stop request during the last steps of exiting (a supervisor
+    # repeating its SIGTERM) would turn a clean exit 0 into death by signal.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     notifier.close()
 
 
