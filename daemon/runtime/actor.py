@@ -79,8 +79,11 @@ class Actor:
             self._scope.cancel()
 
     def notify(self) -> None:
-        """Tell the actor that work was queued: a retry wait that lets work in ends now."""
-        if self._scope is not None and self._takes_items:
+        """Tell the actor that work was queued: a cancel interrupts, a retry wait may end now."""
+        if self.items and self.items[-1].kind == "cancel":
+            # Also for one parked during a repair, whose sender could not interrupt us.
+            self.interrupt()
+        elif self._scope is not None and self._takes_items:
             self._scope.cancel()
 
     def stop_after_current(self) -> None:
@@ -131,6 +134,9 @@ class Actor:
                 loaded = await self._guard(self._callback, loaded, item)
             elif item.kind == "resume":
                 loaded.next_run_at = self.clock.now()  # resume once (e.g. to retry a setup)
+            elif item.kind == "cancel":
+                self.items.appendleft(item)
+                self._cancelling = True
 
     async def _guard(self, fn: Any, loaded: Loaded, *args: Any) -> Loaded:
         """Run one unit of work; an I/O failure reloads the durable state and backs off."""

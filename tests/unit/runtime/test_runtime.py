@@ -32,7 +32,7 @@ from daemon.runtime.runtime import Runtime
 from daemon.runtime.settings import Settings
 from daemon.store.sqlite import SQLiteStore
 from handlers import Signal, Timer
-from tests.helpers.wait import eventually, wait_runtime_status
+from tests.helpers.wait import eventually, until, wait_runtime_status
 
 
 @dataclass
@@ -357,6 +357,24 @@ class TestCancel:
             assert (await rt.cancel("f"))["status"] == "Cancelled"
             await rt.wait_idle()
             assert (await rt.show("f"))["status"] == "Cancelled"
+
+    async def test_cancel_during_a_repair_is_applied_after(self, tmp_path: Path) -> None:
+        """A cancel that arrives while a repair holds the workflow is answered once it ends."""
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Approval", "a1")
+            await wait_runtime_status(rt, "a1", "Waiting")
+            answers: list[dict[str, Any]] = []
+
+            async def cancel() -> None:
+                answers.append(await rt.cancel("a1"))
+
+            async with anyio.create_task_group() as tg:
+                async with rt.scheduler.exclusive("a1"):
+                    tg.start_soon(cancel)
+                    await until(lambda: bool(rt.scheduler.hold.parked.get("a1")))
+                with anyio.fail_after(5):
+                    await wait_runtime_status(rt, "a1", "Cancelled")
+            assert answers == [{"workflow_id": "a1", "status": "Cancelled"}]
 
 
 class TestRecovery:
