@@ -14,6 +14,7 @@ import pytest
 
 from tests.helpers.client import Client
 from tests.helpers.disk import fill, hold_write_lock, small_disk
+from tests.helpers.disk_torture import FullPlan, disk_full_torture
 from tests.helpers.harness import Daemon, running_daemon
 from tests.helpers.wait import eventually, logged, shown_when, until, wait_status
 
@@ -172,3 +173,18 @@ class TestInboxStrandedNever:
                     ballast.unlink(missing_ok=True)
                 failed = [r for r in d.records() if r["event"] == "checkpoint_failed"]
                 assert all("full" in r["error"] for r in failed), failed
+
+
+class TestDiskFullTorture:
+    """The crash torture's disk-full phase, short: the disk fills up six times under load."""
+
+    async def test_nothing_lost_stranded_or_reordered(self, tmp_path: Path) -> None:
+        """Every acknowledged send is applied once, in order, without a restart."""
+        report = await disk_full_torture(tmp_path, FullPlan(seed=3, collectors=8, fills=6))
+        if report.skipped:
+            pytest.skip(report.skipped)
+        assert report.problems == []
+        assert (report.lost, report.stranded, report.out_of_order) == (0, 0, 0)
+        assert report.daemon_exits == 0 and report.refused_but_applied == 0
+        assert report.fills == 6 and report.checkpoint_failures > 0  # the disk was really full
+        assert report.acked_no_wait > 0 and report.refused_sends > 0
