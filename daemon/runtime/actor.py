@@ -112,6 +112,9 @@ class Actor:
                 continue
             status = loaded.state.status
             if status in FINAL_STATUSES:
+                if any(item.inbox_id is not None for item in self.items):
+                    loaded = await self._guard(self._reject_late, loaded)
+                    continue
                 self._reject_all(CallbackNotFound(f"workflow {self.workflow_id} is {status}"))
                 return
             due = loaded.next_run_at
@@ -150,7 +153,8 @@ class Actor:
         if fresh is None:
             self._stop = True  # gone from the store, or stopping: nothing left to do
             return loaded
-        if fresh.state.status is not WorkflowStatus.RESUMING:
+        status = fresh.state.status
+        if status is not WorkflowStatus.RESUMING and status not in FINAL_STATUSES:
             fresh.next_run_at = self.clock.now()  # resume once to finish setup
         self.arms.rearm(fresh.wf, fresh.state)
         return fresh
@@ -365,6 +369,23 @@ class Actor:
             self._unsaved.append(item)
             self._history.append(("callback_rejected", {"event": event, "error": str(e)}))
             await self._save(loaded)
+
+    async def _reject_late(self, loaded: Loaded) -> None:
+        """Reject the inbox events queued for a workflow that has ended, and drop their rows."""
+        # Acknowledged before the end, they can apply to nothing now; without this they would
+        # stay in the inbox and be replayed (and refused) after every restart.
+        error = CallbackNotFound(f"workflow {self.workflow_id} is {loaded.state.status}")
+        for item in [i for i in self.items if i.inbox_id is not None]:
+            assert item.req is not None
+            self.items.remove(item)
+            log.info(
+                "callback_rejected", event_name=item.req.name, code=error.code, error=str(error)
+            )
+            self._unsaved.append(item)
+            self._history.append(
+                ("callback_rejected", {"event": item.req.name, "error": str(error)})
+            )
+        await self._save(loaded)
 
     def _reject_waiting(self, error: WorkflowdError) -> None:
         for item in [i for i in self.items if i.kind == "callback" and i.inbox_id is None]:

@@ -406,6 +406,24 @@ class TestRecovery:
             with pytest.raises(Exception, match="corrupt"):
                 await rt.send("bad", "decision", {"decision": "y"})
 
+    async def test_inbox_event_for_an_ended_workflow_is_dropped(self, tmp_path: Path) -> None:
+        """An inbox row left for a finished workflow is rejected once, recorded and deleted."""
+        db = tmp_path / "wf.db"
+        async with running(db) as rt:
+            await rt.start("Counter", "c", {"upto": 1})
+            await wait_runtime_status(rt, "c", "Finished")
+            await rt.store.inbox_put("c", "late", {"x": 1})
+        async with running(db) as rt:
+
+            async def drained() -> bool:
+                return not await rt.store.inbox_pending()
+
+            await eventually(drained)
+            await rt.wait_idle()
+            kinds = [h["kind"] for h in await rt.history("c")]
+            assert kinds.count("callback_rejected") == 1
+            assert (await rt.show("c"))["status"] == "Finished"
+
     async def test_invalid_definition_fails_workflow(self, tmp_path: Path) -> None:
         """A definition that does not validate fails the workflow with the reason."""
         async with running(tmp_path / "wf.db") as rt:
