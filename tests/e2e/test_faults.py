@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -121,7 +121,7 @@ def pending_inbox(db: Path) -> int:
 
 
 @asynccontextmanager
-async def held_event(d: Daemon, c: Client, gate: Path) -> AsyncIterator[None]:
+async def held_event(c: Client, gate: Path) -> AsyncIterator[None]:
     """Queue add 0 (held at the gate) then adds 1-4 with --no-wait; open the gate on exit."""
     await c.call("start", workflow="Gated", workflow_id="g", input={"gate": str(gate)})
     await wait_status(c, "g", "Waiting")
@@ -138,11 +138,24 @@ class TestInboxStrandedNever:
     """An acknowledged --no-wait event whose checkpoint fails is retried in order, no restart."""
 
     async def _check_recovers(
-        self, d: Daemon, c: Client, db: Path, release: Callable[[], Any]
+        self,
+        d: Daemon,
+        c: Client,
+        db: Path,
+        release: Callable[[], Any],
+        late: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
+        """Wait for the failed save, release the fault, check every event lands in order.
+
+        `late` tells whether an add 5 sent during the fault was acknowledged: then it must
+        land last; if it was refused, it must not land at all.
+        """
         failed = await logged(d, "checkpoint_failed", workflow_id="g", limit_s=30)
         release()
-        await applied_in_order(c, "g", [0, 1, 2, 3, 4])
+        want = [0, 1, 2, 3, 4]
+        if late is not None and await late():
+            want.append(5)
+        await applied_in_order(c, "g", want)
         await eventually(lambda: anyio.to_thread.run_sync(lambda: pending_inbox(db) == 0))
         assert failed[0]["retry_in_s"] > 0 and alive(d)
         await c.call("send", workflow_id="g", event="close")
@@ -151,11 +164,25 @@ class TestInboxStrandedNever:
     async def test_locked_database(self, tmp_path: Path) -> None:
         """A write lock held while the held event is saved delays it; nothing jumps the queue."""
         db = tmp_path / "wd.db"
-        async with running_daemon(tmp_path, MODULES) as d, d.client() as c:
-            async with held_event(d, c, tmp_path / "gate"):
+        async with running_daemon(tmp_path, MODULES) as d, d.client() as c, d.client() as c2:
+            async with held_event(c, tmp_path / "gate"):
                 lock = await anyio.to_thread.run_sync(hold_write_lock, db, "IMMEDIATE")
+            answered = anyio.Event()
+            answers: list[dict[str, Any]] = []
+
+            async def send_late() -> None:
+                add = {"workflow_id": "g", "event": "add", "wait": False}
+                answers.append(await c2.request("send", **add, input={"n": 5}))
+                answered.set()
+
+            async def late() -> bool:
+                await answered.wait()
+                return bool(answers[0]["ok"])
+
             try:
-                await self._check_recovers(d, c, db, lock.close)  # closing rolls back
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(send_late)  # arrives while the lock is held
+                    await self._check_recovers(d, c, db, lock.close, late)  # close: rollback
             finally:
                 lock.close()
 
@@ -165,7 +192,7 @@ class TestInboxStrandedNever:
             db = disk / "wd.db"
             store = {"path": str(db)}
             async with running_daemon(tmp_path, MODULES, store=store) as d, d.client() as c:
-                async with held_event(d, c, tmp_path / "gate"):
+                async with held_event(c, tmp_path / "gate"):
                     ballast = await anyio.to_thread.run_sync(fill, disk)
                 try:
                     await self._check_recovers(d, c, db, ballast.unlink)
