@@ -28,6 +28,7 @@ from daemon.ops.modules import load_registry
 from daemon.ops.reload import Reloader, settings_of
 from daemon.ops.repairs import Repairs
 from daemon.runtime.runtime import Runtime
+from daemon.runtime.supervise import supervise
 from daemon.service.config import Config, load_config
 from daemon.service.journal import JOURNAL_SOCKET
 from daemon.service.journal import attached as journal_attached
@@ -38,7 +39,6 @@ from daemon.store.sqlite import SQLiteStore
 
 log = structlog.get_logger()
 STATUS_EVERY_S = 1.0
-GC_EVERY_S = 3600.0
 #: How long, at shutdown, answers still being written may take.
 ANSWER_GRACE_S = 1.0
 #: Allocations between young-generation collections (CPython's default is 700).
@@ -188,21 +188,30 @@ async def _report_status(rt: Runtime, notifier: Notifier) -> None:
     if not notifier.address:
         return
     last = ""
-    while True:
+
+    async def refresh() -> None:
+        nonlocal last
         line = status_line(await rt.counts(), rt.busy())
         if line != last:
             notifier.status(line)
             last = line
-        await anyio.sleep(STATUS_EVERY_S)
+
+    await supervise("status", refresh, partial(anyio.sleep, STATUS_EVERY_S))
 
 
 async def _collect_garbage(rt: Runtime, reloader: Reloader) -> None:
-    while True:
-        keep_days = reloader.cfg.store.keep_finished_days  # a reload may change it
+    """Run retention at start, then every `[store] retention_interval_s` (both live on reload)."""
+
+    async def collect() -> None:
+        keep_days = reloader.cfg.store.keep_finished_days
         deleted = await rt.gc(keep_days) if keep_days > 0 else 0
         if deleted:
             log.info("workflows_deleted", count=deleted, older_than_days=keep_days)
-        await anyio.sleep(GC_EVERY_S)
+
+    async def pause() -> None:
+        await anyio.sleep(reloader.cfg.store.retention_interval_s)
+
+    await supervise("retention", collect, pause)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -74,7 +74,7 @@ class Scheduler:
             self._idle = anyio.Event()
             self._tg.start_soon(self._run, actor)
         actor.items.append(item)
-        actor.wake.set()
+        actor.notify()
 
     def unpark(self, workflow_id: str) -> None:
         """Submit the work parked for a workflow."""
