@@ -28,6 +28,7 @@ from daemon.ops.modules import load_registry
 from daemon.ops.reload import Reloader, settings_of
 from daemon.ops.repairs import Repairs
 from daemon.runtime.runtime import Runtime
+from daemon.runtime.supervise import supervise
 from daemon.service.config import Config, load_config
 from daemon.service.journal import JOURNAL_SOCKET
 from daemon.service.journal import attached as journal_attached
@@ -38,7 +39,6 @@ from daemon.store.sqlite import SQLiteStore
 
 log = structlog.get_logger()
 STATUS_EVERY_S = 1.0
-GC_EVERY_S = 3600.0
 #: How long, at shutdown, answers still being written may take.
 ANSWER_GRACE_S = 1.0
 #: Allocations between young-generation collections (CPython's default is 700).
@@ -92,7 +92,9 @@ async def run_daemon(
                 store=store,
                 cache=rt.cache,
                 running=rt.scheduler.running,
+                unfit=rt.unfit,
                 configure=rt.configure,
+                refit=rt.refit,
                 notifier=notifier,
             )
             repairs = Repairs(
@@ -149,6 +151,11 @@ async def run_daemon(
                 log.info("daemon_stopped", steps_finished=finished)
             control.cancel()
             tg.cancel_scope.cancel()
+    # Leaving the receiver put the default handlers back, and the default for SIGTERM ends the
+    # process at once: a second stop request during the last steps of exiting (a supervisor
+    # repeating its SIGTERM) would turn a clean exit 0 into death by signal.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     notifier.close()
 
 
@@ -181,21 +188,30 @@ async def _report_status(rt: Runtime, notifier: Notifier) -> None:
     if not notifier.address:
         return
     last = ""
-    while True:
+
+    async def refresh() -> None:
+        nonlocal last
         line = status_line(await rt.counts(), rt.busy())
         if line != last:
             notifier.status(line)
             last = line
-        await anyio.sleep(STATUS_EVERY_S)
+
+    await supervise("status", refresh, partial(anyio.sleep, STATUS_EVERY_S))
 
 
 async def _collect_garbage(rt: Runtime, reloader: Reloader) -> None:
-    while True:
-        keep_days = reloader.cfg.store.keep_finished_days  # a reload may change it
+    """Run retention at start, then every `[store] retention_interval_s` (both live on reload)."""
+
+    async def collect() -> None:
+        keep_days = reloader.cfg.store.keep_finished_days
         deleted = await rt.gc(keep_days) if keep_days > 0 else 0
         if deleted:
             log.info("workflows_deleted", count=deleted, older_than_days=keep_days)
-        await anyio.sleep(GC_EVERY_S)
+
+    async def pause() -> None:
+        await anyio.sleep(reloader.cfg.store.retention_interval_s)
+
+    await supervise("retention", collect, pause)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,8 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tests.benchmarks import bench_control, bench_runtime, bench_timers
+import pytest
+
+from tests.benchmarks import bench_control, bench_runtime, bench_timers, bench_torture
 from tests.benchmarks.run import BENCHMARKS, normalize
+from tests.helpers.disk_torture import FullPlan, disk_full_torture
 
 
 def _check(entry: str, figures: list[dict[str, Any]], metrics: set[str]) -> None:
@@ -81,3 +84,21 @@ class TestTimersBench:
             {"idle_rss_mb", "waiting_rss_mb", "recovered_rss_mb", "starts_per_s",
              "empty_start_to_ping_s", "recovery_to_ping_s"},
         )  # fmt: skip
+
+
+class TestTortureBench:
+    """bench_torture's disk-full phase at a tiny size (the kill torture runs in tests/e2e)."""
+
+    async def test_disk_full_figures(self, tmp_path: Path) -> None:
+        """The disk fills once; the zero-target figures come out, and they are zero."""
+        report = await disk_full_torture(tmp_path, FullPlan(collectors=2, fills=1))
+        if report.skipped:
+            pytest.skip(report.skipped)
+        figures = bench_torture.full_figures(report, seed=1)
+        metrics = {f"disk_full_{m}" for m in (
+            "fills", "acked_sends", "acked_no_wait_sends", "refused_sends",
+            "checkpoint_failures", "acked_lost", "acked_out_of_order", "acked_stranded",
+            "refused_but_applied", "daemon_exits", "problems", "duration_s",
+        )}  # fmt: skip
+        _check("bench_torture", figures, metrics)
+        assert all(f["value"] == 0 for f in figures if f["target"] == 0), figures

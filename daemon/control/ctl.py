@@ -351,7 +351,19 @@ def show(command: str, result: Any) -> str:
 def reload_text(result: dict[str, Any]) -> str:
     """Return a reload's outcome, one blocking workflow per line."""
     if result["reloaded"]:
-        return f"reloaded: {cell(result.get('workflows', []))}"
+        lines = [f"reloaded: {cell(result.get('workflows', []))}"]
+        if result.get("needs_restart"):
+            lines.append(f"needs a restart: {cell(result['needs_restart'])}")
+        held = result.get("incompatible") or []
+        if held:
+            count = result.get("incompatible_count", len(held))
+            lines.append(f"still held, {count} workflow(s) do not fit the new code:")
+            for h in held:
+                lines.append(
+                    f"  {cell(h.get('workflow_id'))} ({cell(h.get('workflow'))}): "
+                    f"{cell(h.get('reason'))}"
+                )
+        return "\n".join(lines)
     lines = [f"reload refused: {result.get('error', '')}; still running the old code"]
     for b in result.get("blocked", []):
         lines.append(f"  {b.get('workflow_id')} ({b.get('workflow')}): {cell(b.get('reasons'))}")

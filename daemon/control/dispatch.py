@@ -40,6 +40,7 @@ class Backend(Protocol):
     async def cancel(self, workflow_id: str) -> dict[str, Any]: ...
     async def counts(self) -> dict[str, int]: ...
     def busy(self) -> int: ...
+    def incompatible(self) -> int: ...
     def subscribe_logs(
         self, workflow_id: str | None = None, *, follow: bool = True
     ) -> AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]: ...
@@ -102,7 +103,12 @@ class Dispatcher:
         b = self._backend
         match req:
             case proto.Ping():
-                return {"version": version(), "workflows": await b.counts(), "busy": b.busy()}
+                return {
+                    "version": version(),
+                    "workflows": await b.counts(),
+                    "busy": b.busy(),
+                    "incompatible": b.incompatible(),
+                }
             case proto.Start():
                 return await b.start(req.workflow, req.workflow_id, req.input)
             case proto.Send():

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from daemon.core.definition import Definition, named
-from daemon.core.state import MAIN_THREAD, State, ThreadStatus
+from daemon.core.definition import Definition, kind_of
+from daemon.core.state import MAIN_THREAD, TEARDOWN_DUE, State, ThreadStatus
 from daemon.core.workflow import Workflow
 
 Registry = dict[str, type[Workflow]]
@@ -22,11 +22,10 @@ def blockers(registry: Registry, name: str, data: str | bytes, state: State) -> 
     if cls is None:
         return [f"workflow type {name!r} is gone"]
     try:
-        root = cls.from_json(data).definition()
-        defn = Definition(root)
+        defn = Definition(cls.from_json(data).definition())
     except Exception as e:  # noqa: BLE001 - any failure of the new code blocks it
         return [f"new code cannot load it: {type(e).__name__}: {e}"]
-    kinds = {n.name: n.kind for n in named(root)}
+    kinds = {name: kind_of(node) for name, node in defn.named.items()}
     found: list[str] = []
     for t in state.threads:
         if t.name != MAIN_THREAD and t.name not in defn.gos:
@@ -38,9 +37,17 @@ def blockers(registry: Registry, name: str, data: str | bytes, state: State) -> 
             found.append(f"thread {t.id}: statement {t.cur_step!r} is gone")
         elif want is not None and have != want:
             found.append(f"thread {t.id}: {t.cur_step!r} is now a {have}, was a {want}")
+        # A wait already let go of only awaits its teardown; with its event gone that is
+        # recorded as a teardown error (as the engine does), so it does not keep the thread.
         found += [
             f"thread {t.id}: event {ev.req.name!r} is gone"
             for ev in t.wait_events
-            if ev.req.name not in defn.events
+            if ev.req.name not in defn.events and ev.status not in TEARDOWN_DUE
         ]
     return found
+
+
+def misfit(registry: Registry, name: str, data: str | bytes, state: State) -> str | None:
+    """Say in one line why a live workflow does not fit `registry`'s code, or None if it does."""
+    reasons = blockers(registry, name, data, state)
+    return "; ".join(reasons) if reasons else None

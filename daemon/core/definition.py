@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from daemon.core.statements import (
     Branch,
@@ -27,6 +27,20 @@ from daemon.errors import UnknownStatement, ValidationError
 
 _F = TypeVar("_F")
 _N = TypeVar("_N")
+
+
+class Definable(Protocol):
+    """What the engine needs of a workflow: its definition and a way to undo a handler."""
+
+    def definition(self) -> Section:
+        """Build the statement tree from the current data."""
+
+    def snapshot(self) -> bytes:
+        """Capture the data."""
+
+    def restore(self, snap: bytes) -> None:
+        """Put back data captured by `snapshot`."""
+
 
 #: The kind of every named thing in a definition, as `show`, `lint`, reload and goto name it.
 KINDS: dict[type[Any], str] = {

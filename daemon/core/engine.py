@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable, Container
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 # Explicit re-exports (mypy's idiom): daemon.core.engine.Definition and .validate stay importable.
+from daemon.core.definition import Definable, dispatch_entry
 from daemon.core.definition import Definition as Definition  # noqa: PLC0414
-from daemon.core.definition import dispatch_entry
 from daemon.core.definition import validate as validate  # noqa: PLC0414
 from daemon.core.handler import CallbackRequest, Handler
 from daemon.core.state import (
     ARMED,
     FINAL_STATUSES,
     MAIN_THREAD,
-    RELEASED,
     RUNNABLE,
     SETUP_DUE,
-    TEARDOWN_DUE,
     CheckpointType,
     EventStatus,
     State,
@@ -44,6 +42,13 @@ from daemon.core.statements import (
     _Branching,
     truth,
 )
+from daemon.core.waits import (
+    describe,
+    drop_ended_threads,
+    release_thread,
+    teardown_waits,
+)
+from daemon.core.waits import release_waits as release_waits  # noqa: PLC0414
 from daemon.errors import (
     CallbackNotFound,
     HandlerRejected,
@@ -67,19 +72,6 @@ MAX_TRANSITIONS = 10_000
 
 Checkpoint = Callable[[CheckpointType], Awaitable[None]]
 StepRunner = Callable[[Step], Awaitable[None]]
-
-
-class Definable(Protocol):
-    """What the engine needs of a workflow: its definition and a way to undo a handler."""
-
-    def definition(self) -> Section:
-        """Build the statement tree from the current data."""
-
-    def snapshot(self) -> bytes:
-        """Capture the data."""
-
-    def restore(self, snap: bytes) -> None:
-        """Put back data captured by `snapshot`."""
 
 
 async def call_action(fn: Callable[[], object]) -> object:
@@ -340,7 +332,7 @@ class _Resumer:
                     data = await self.handler(ev).setup(ev.req)
                 except Exception as e:  # noqa: BLE001 - any handler failure is recorded
                     # Recorded on the wait so `show` explains it; the runtime retries with backoff.
-                    ev.status, ev.error = EventStatus.SETUP_ERROR, _describe(e)
+                    ev.status, ev.error = EventStatus.SETUP_ERROR, describe(e)
                     continue
                 ev.status, ev.error, ev.req.setup_data = _SETUP, "", data
                 await self.checkpoint(CheckpointType.AFTER_SETUP)
@@ -350,95 +342,6 @@ class _Resumer:
         if on is None:
             raise StepNotFound(f"event {ev.req.name!r} is not in the definition")
         return on.handler
-
-
-async def teardown_waits(
-    state: State,
-    handler_of: Callable[[WaitEvent], Handler],
-    checkpoint: Checkpoint | None = None,
-    *,
-    keep: Container[tuple[str, str, int]] = (),
-) -> int:
-    """Tear down every wait due for it, except those in `keep`; return how many failed.
-
-    The one teardown loop: `resume`, the end of a workflow, the janitor and `undo` all use it.
-    A failure (the handler raised, or `handler_of` found no handler) is recorded on the wait,
-    not raised: the thread can go on and the teardown is retried later.
-    """
-    failed = 0
-    for t in state.threads:
-        for ev in list(t.wait_events):
-            if ev.status not in TEARDOWN_DUE or (t.id, ev.req.name, ev.req.pc) in keep:
-                continue
-            try:
-                await handler_of(ev).teardown(ev.req, ev.handled)
-            except Exception as e:  # noqa: BLE001 - any handler failure is recorded
-                ev.status, ev.error = EventStatus.TEARDOWN_ERROR, _describe(e)
-                failed += 1
-                continue
-            t.wait_events.remove(ev)
-            if checkpoint is not None:
-                await checkpoint(CheckpointType.AFTER_TEARDOWN)
-    return failed
-
-
-def handlers_of(wf: Definable) -> Callable[[WaitEvent], Handler]:
-    """Return a lookup of each wait's handler in `wf`'s current definition.
-
-    A definition that cannot be built leaves every lookup failing, so the waits stay recorded
-    as teardown errors (to be retried once the code is fixed).
-    """
-    try:
-        events: dict[str, On] = Definition(wf.definition()).events
-    except Exception as e:  # noqa: BLE001 - user code: recorded on each wait instead
-        broken = _describe(e)
-        events = {}
-    else:
-        broken = ""
-
-    def lookup(ev: WaitEvent) -> Handler:
-        on = events.get(ev.req.name)
-        if on is None:
-            why = f": the definition cannot be built: {broken}" if broken else ""
-            raise StepNotFound(f"event {ev.req.name!r} is not in the definition{why}")
-        return on.handler
-
-    return lookup
-
-
-async def teardown_ended(wf: Definable, state: State) -> int:
-    """Tear down every wait left on an ended workflow; return how many still fail."""
-    release_waits(state)
-    failed = await teardown_waits(state, handlers_of(wf))
-    _drop_ended_threads(state)
-    return failed
-
-
-def _drop_ended_threads(state: State) -> None:
-    # Threads end with a finished workflow; ones whose teardown failed stay to be retried.
-    if state.status is WorkflowStatus.FINISHED:
-        state.threads = [t for t in state.threads if t.wait_events]
-
-
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
-def release_waits(state: State) -> None:
-    """Mark every armed wait of every thread for teardown (the workflow ended or was cancelled)."""
-    for t in state.threads:
-        release_thread(t)
-
-
-def release_thread(t: Thread) -> None:
-    """Mark a thread's armed waits for teardown; drop those never set up (nothing to undo)."""
-    kept = []
-    for ev in t.wait_events:
-        if ev.status is not _PENDING_SETUP:
-            if ev.status in RELEASED:
-                ev.status = EventStatus.PENDING_TEARDOWN
-            kept.append(ev)
-    t.wait_events = kept
 
 
 async def resume(
@@ -469,7 +372,7 @@ async def resume(
             break
     if state.status in FINAL_STATUSES:
         await r.teardown()
-        _drop_ended_threads(state)
+        drop_ended_threads(state)
     await r.setup()
     state.update_status()
 
@@ -495,7 +398,7 @@ async def handle_callback(req: CallbackRequest, wf: Definable, state: State, inp
         wf.restore(snap)
         if isinstance(e, WorkflowdError):
             raise
-        raise HandlerRejected(f"event {req.name!r}: {_describe(e)}") from e
+        raise HandlerRejected(f"event {req.name!r}: {describe(e)}") from e
     state.pc += 1
     event.handled = True
     thread.cur_callback = req.name

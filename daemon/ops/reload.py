@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from types import ModuleType
 from typing import Any
 
@@ -79,15 +79,24 @@ class Reloader:
         store: Store,
         cache: Cache,
         running: Callable[[str], bool],
+        unfit: Callable[[str], str | None],
         configure: Callable[[Registry, Settings], None],
+        refit: Callable[[], Awaitable[list[dict[str, Any]]]],
         notifier: Notifier,
     ) -> None:
         self.cfg, self.notifier = cfg, notifier
+        #: The config the daemon started with: what the RESTART_KEYS still run on.
+        self._started = cfg
         self._store, self._cache = store, cache
         #: Tells whether a workflow's actor runs now (its object may be mid-step).
         self._running = running
+        #: Says why a workflow is held for not fitting the running code: it cannot block
+        #: a reload (new code is what may fix it).
+        self._unfit = unfit
         #: Installs accepted code and settings in the runtime.
         self._configure = configure
+        #: Releases the held workflows that fit the code just installed; returns the others.
+        self._refit = refit
         #: Called with the new config once a reload is accepted (the control socket's limits).
         self.on_config: Callable[[Config], None] | None = None
         self._lock = anyio.Lock()
@@ -110,6 +119,8 @@ class Reloader:
             return {"reloaded": False, "error": str(e), "blocked": []}
         blocked: dict[str, dict[str, Any]] = {}
         async for row in self._store.unfinished():
+            if self._unfit(row.id) is not None:
+                continue
             try:
                 state = State.from_json(row.state)
             except (msgspec.DecodeError, msgspec.ValidationError):
@@ -119,7 +130,7 @@ class Reloader:
         # From here to the switch nothing awaits, so no workflow moves between check and switch.
         # Workflows in memory may be ahead of the rows read above: check them as they are now.
         for wid, loaded in self._cache.items():
-            if loaded.state.status in FINAL_STATUSES:
+            if loaded.state.status in FINAL_STATUSES or self._unfit(wid) is not None:
                 continue
             name = loaded.state.workflow
             reasons = blockers(registry, name, loaded.wf.to_json(), loaded.state)
@@ -134,7 +145,20 @@ class Reloader:
         set_level(cfg.log.level)
         log.info("reloaded", workflows=sorted(registry))
         restart = self._apply(cfg, registry)
-        return {"reloaded": True, "workflows": sorted(registry), "needs_restart": restart}
+        try:
+            still = await self._refit()
+        except Exception as e:  # noqa: BLE001 - the reload is done; the next one checks again
+            log.error("reload_refit_failed", error=f"{type(e).__name__}: {e}")
+            still = []
+        if still:
+            log.warning("reload_left_incompatible", count=len(still), held=still[:MAX_LISTED])
+        return {
+            "reloaded": True,
+            "workflows": sorted(registry),
+            "needs_restart": restart,
+            "incompatible": still[:MAX_LISTED],
+            "incompatible_count": len(still),
+        }
 
     def _refused(self, blocked: list[dict[str, Any]]) -> dict[str, Any]:
         error = f"{len(blocked)} live workflow(s) do not fit the new code"
@@ -162,7 +186,8 @@ class Reloader:
         self._configure(registry, settings_of(cfg))  # the new code is checked as at start
         if self.on_config is not None:
             self.on_config(cfg)
-        changed = [k for k in RESTART_KEYS if _get(cfg, k) != _get(self.cfg, k)]
+        # Against the start, not the last reload: a second reload must still say it.
+        changed = [k for k in RESTART_KEYS if _get(cfg, k) != _get(self._started, k)]
         if changed:
             log.warning("reload_needs_restart", keys=changed)
         self.cfg = cfg

@@ -14,9 +14,8 @@ from typing import Any
 import msgspec
 import structlog
 
-from daemon.core.compat import blockers
+from daemon.core.compat import blockers, misfit
 from daemon.core.definition import Definition, goto_targets
-from daemon.core.engine import handlers_of, release_thread, release_waits, teardown_waits
 from daemon.core.lint import lint_workflow
 from daemon.core.state import (
     FINAL_STATUSES,
@@ -27,6 +26,7 @@ from daemon.core.state import (
     WorkflowStatus,
 )
 from daemon.core.statements import Section, definition_to_dict
+from daemon.core.waits import handlers_of, release_thread, release_waits, teardown_waits
 from daemon.core.workflow import Workflow
 from daemon.errors import (
     BadInput,
@@ -49,10 +49,12 @@ UNDOABLE = ("goto", "edit")
 _REPAIRABLE = (WorkflowStatus.WAITING, WorkflowStatus.FAILED)
 
 
-def _check(loaded: Loaded, what: str) -> None:
+def _check(loaded: Loaded, what: str, *, unfit: bool = False) -> None:
     status = loaded.state.status
-    if status not in _REPAIRABLE:
-        raise Conflict(f"workflow {loaded.state.id} is {status}; {what} needs Waiting or Failed")
+    # A workflow held for not fitting the code runs nothing, whatever its status says.
+    if status in _REPAIRABLE or (unfit and status not in FINAL_STATUSES):
+        return
+    raise Conflict(f"workflow {loaded.state.id} is {status}; {what} needs Waiting or Failed")
 
 
 def _who(uid: int | None) -> dict[str, Any]:
@@ -120,17 +122,39 @@ class Repairs:
         log.info(f"workflow_{kind}", workflow_id=s.id, workflow=s.workflow, status=s.status.value)
         if s.status in FINAL_STATUSES:
             return
+        self._refit(loaded)
         if not self._scheduler.hold.holds(s.id):
             self._arms.rearm(loaded.wf, s)
         # One resume pass sets up new waits and re-checks WaitFor conditions on the new data.
         self._scheduler.submit(s.id, Item("resume"))
+
+    def _unfit(self, workflow_id: str) -> bool:
+        return workflow_id in self._scheduler.hold.incompatible
+
+    def _still_unfit(self, workflow_id: str) -> dict[str, str]:
+        """Say, in a repair's answer, that the workflow is still held for not fitting the code."""
+        reason = self._scheduler.hold.incompatible.get(workflow_id)
+        return {} if reason is None else {"incompatible": reason}
+
+    def _refit(self, loaded: Loaded) -> None:
+        """Check a repaired workflow against the code: hold it if it does not fit, else let go."""
+        s, unfit = loaded.state, self._scheduler.hold.incompatible
+        reason = misfit(self._cache.registry, s.workflow, loaded.wf.to_json(), s)
+        if reason is None:
+            if unfit.pop(s.id, None) is not None:
+                log.info("workflow_fits", workflow_id=s.id, workflow=s.workflow)
+            return
+        if unfit.get(s.id) != reason:
+            log.error("workflow_incompatible", workflow_id=s.id, workflow=s.workflow, reason=reason)
+        unfit[s.id] = reason
+        self._arms.disarm_workflow(s.id)
 
     async def goto(
         self, workflow_id: str, thread_id: str, statement: str, *, who: int | None = None
     ) -> dict[str, Any]:
         """Move one thread of a waiting or failed workflow to `statement`, then resume it."""
         async with self._scheduler.exclusive(workflow_id) as loaded:
-            _check(loaded, "goto")
+            _check(loaded, "goto", unfit=self._unfit(workflow_id))
             s = loaded.state
             t = s.thread(thread_id)
             if t is None:
@@ -160,14 +184,15 @@ class Repairs:
             await self._save(
                 loaded, "goto", {**detail, "before": was, "after": _thread(t), "undo": before}
             )
-            return {"workflow_id": workflow_id, "status": s.status.value, "thread": _thread(t)}
+            out = {"workflow_id": workflow_id, "status": s.status.value, "thread": _thread(t)}
+            return {**out, **self._still_unfit(workflow_id)}
 
     async def edit(
         self, workflow_id: str, values: dict[str, Any], *, who: int | None = None
     ) -> dict[str, Any]:
         """Replace data fields of a waiting or failed workflow, checked against their types."""
         async with self._scheduler.exclusive(workflow_id) as loaded:
-            _check(loaded, "edit")
+            _check(loaded, "edit", unfit=self._unfit(workflow_id))
             cls, s = type(loaded.wf), loaded.state
             known = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
             unknown = sorted(set(values) - set(known))
@@ -180,6 +205,9 @@ class Repairs:
             except msgspec.ValidationError as e:
                 raise BadInput(f"edit: {e}") from None
             reasons = blockers({cls.name: cls}, s.workflow, new.to_json(), s)
+            if reasons:  # only what the new data breaks: a workflow held unfit may be edited
+                was = blockers({cls.name: cls}, s.workflow, loaded.wf.to_json(), s)
+                reasons = [r for r in reasons if r not in was]
             if reasons:
                 raise BadInput(
                     f"edit: the workflow could not go on with this data: {'; '.join(reasons)}"
@@ -194,12 +222,13 @@ class Repairs:
                 "undo": before,
             }
             await self._save(loaded, "edit", detail)
-            return {"workflow_id": workflow_id, "status": s.status.value, "data": now}
+            out = {"workflow_id": workflow_id, "status": s.status.value, "data": now}
+            return {**out, **self._still_unfit(workflow_id)}
 
     async def undo(self, workflow_id: str, *, who: int | None = None) -> dict[str, Any]:
         """Put back the data and state from before the last goto or edit not undone yet."""
         async with self._scheduler.exclusive(workflow_id) as loaded:
-            _check(loaded, "undo")
+            _check(loaded, "undo", unfit=self._unfit(workflow_id))
             pending = 0
             for row in reversed(await self._store.history(workflow_id)):
                 if row.kind == "undo":
@@ -222,7 +251,8 @@ class Repairs:
             await self._teardown_gone(loaded, state)
             detail = {**_who(who), "reverts": row.kind, "reverts_at": row.at}
             await self._save(old, "undo", detail)
-            return {"workflow_id": workflow_id, "status": state.status.value, "reverted": row.kind}
+            out = {"workflow_id": workflow_id, "status": state.status.value, "reverted": row.kind}
+            return {**out, **self._still_unfit(workflow_id)}
 
     async def _teardown_gone(self, loaded: Loaded, keep: State) -> None:
         """Tear down the waits of the current state that the restored one does not have."""
@@ -244,7 +274,8 @@ class Repairs:
             _revive(loaded)
             loaded.state.update_status()
             await self._save(loaded, "retry", {**_who(who), "error": error})
-            return {"workflow_id": workflow_id, "status": loaded.state.status.value}
+            out = {"workflow_id": workflow_id, "status": loaded.state.status.value}
+            return {**out, **self._still_unfit(workflow_id)}
 
     async def release(self, workflow_id: str) -> dict[str, Any]:
         """Let one held workflow run: arm its waits and resume it."""
@@ -253,13 +284,17 @@ class Repairs:
             raise WorkflowNotFound(f"no workflow {workflow_id!r}")
         hold = self._scheduler.hold
         was_held = hold.holds(workflow_id)
+        out: dict[str, Any] = {"workflow_id": workflow_id, "status": row.status}
         if was_held:
             hold.released.add(workflow_id)
             if row.status not in FINAL_STATUSES:
                 await self._recover(row)
             self._scheduler.unpark(workflow_id)
+            unfit = hold.incompatible.get(workflow_id)
+            if unfit is not None:  # still held: it does not fit the running code
+                return {**out, "released": False, "incompatible": unfit}
             log.info("workflow_released", workflow_id=workflow_id)
-        return {"workflow_id": workflow_id, "status": row.status, "released": was_held}
+        return {**out, "released": was_held}
 
     async def release_all(self) -> dict[str, Any]:
         """End the hold of `workflowd --hold`: every held workflow runs again."""
@@ -271,7 +306,7 @@ class Repairs:
         async for row in self._store.unfinished():
             if row.id not in hold.released:
                 await self._recover(row)
-                count += 1
+                count += row.id not in hold.incompatible
         for wid in [w for w in hold.parked if w not in hold.busy]:
             self._scheduler.unpark(wid)
         hold.released.clear()

@@ -16,9 +16,10 @@ from structlog.contextvars import bound_contextvars
 
 from daemon.clock import Clock
 from daemon.core.definition import Definition
-from daemon.core.engine import handle_callback, resume, teardown_ended
+from daemon.core.engine import handle_callback, resume
 from daemon.core.state import FINAL_STATUSES, CheckpointType, EventStatus, WorkflowStatus
 from daemon.core.statements import NonRetryableError, Retry, Step
+from daemon.core.waits import teardown_ended
 from daemon.core.workflow import Workflow
 from daemon.errors import CallbackNotFound, HandlerRejected, StepFailed, Unavailable, WorkflowdError
 from daemon.runtime.arming import Arms
@@ -50,19 +51,21 @@ class Actor:
     #: Called when an ended workflow kept a wait whose teardown failed (the janitor retries it).
     on_leftover: Callable[[], None]
     items: deque[Item] = field(default_factory=deque)
-    # asyncio's events, not anyio's: actors come and go once per resume, and anyio looks its
+    # asyncio's event, not anyio's: actors come and go once per resume, and anyio looks its
     # backend up on every Event it makes (the daemon runs on asyncio only).
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
     #: Set once the actor has exited (a repair waits for it).
     done: asyncio.Event = field(default_factory=asyncio.Event)
     #: The step in flight, for `show`.
     running_step: StepRun | None = None
     _scope: anyio.CancelScope | None = None
     _interruptible: bool = False
+    #: The current wait ends when work is queued (a broken wait's retry, not a step's).
+    _takes_items: bool = False
     _cancelling: bool = False
     _stop: bool = False
     _history: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
-    _inbox_done: list[int] = field(default_factory=list)
+    #: Inbox events applied (or rejected) in memory since the last save.
+    _unsaved: list[Item] = field(default_factory=list)
     _io_failures: int = 0
 
     @property
@@ -76,6 +79,14 @@ class Actor:
         if self._scope is not None:
             self._scope.cancel()
 
+    def notify(self) -> None:
+        """Tell the actor that work was queued: a cancel interrupts, a retry wait may end now."""
+        if self.items and self.items[-1].kind == "cancel":
+            # Also for one parked during a repair, whose sender could not interrupt us.
+            self.interrupt()
+        elif self._scope is not None and self._takes_items:
+            self._scope.cancel()
+
     def stop_after_current(self) -> None:
         """Finish the running step, then stop (shutdown); a retry wait ends at once."""
         self._stop = True
@@ -85,10 +96,8 @@ class Actor:
     async def run(self) -> None:
         """Process queued items and resume the workflow until it blocks."""
         with bound_contextvars(workflow_id=self.workflow_id):
-            try:
-                loaded = await self.cache.load(self.workflow_id)
-            except WorkflowdError as e:
-                self._reject_all(e)
+            loaded = await self._load()
+            if loaded is None:
                 return
             with bound_contextvars(workflow=loaded.state.workflow):
                 try:
@@ -100,25 +109,38 @@ class Actor:
     async def _loop(self, loaded: Loaded) -> None:
         while not self._stop:
             if self._cancelling:
-                loaded = await self._cancel(loaded)
+                loaded = await self._guard(self._cancel, loaded)
                 continue
             status = loaded.state.status
             if status in FINAL_STATUSES:
+                if any(item.inbox_id is not None for item in self.items):
+                    loaded = await self._guard(self._reject_late, loaded)
+                    continue
                 self._reject_all(CallbackNotFound(f"workflow {self.workflow_id} is {status}"))
                 return
-            if status is WorkflowStatus.RESUMING or loaded.next_run_at is not None:
-                if loaded.next_run_at is not None and loaded.next_run_at > self.clock.now():
-                    await self._sleep_until(loaded.next_run_at)
+            due = loaded.next_run_at
+            if status is WorkflowStatus.RESUMING or due is not None:
+                if due is None or due <= self.clock.now():
+                    while self.items and self.items[0].kind == "resume":
+                        self.items.popleft()  # this is the resume it asks for
+                    loaded = await self._guard(self._advance, loaded)
                     continue
-                loaded = await self._guard(self._advance, loaded)
-                continue
-            if not self.items:
+                # A step's retry holds its workflow; a broken wait's retry holds only itself:
+                # its siblings' callbacks (and the rest of the queue) are taken meanwhile.
+                takes_items = status is not WorkflowStatus.RESUMING
+                if not (takes_items and self.items):
+                    await self._sleep_until(due, takes_items=takes_items)
+                    continue
+            elif not self.items:
                 return
             item = self.items.popleft()
             if item.kind == "callback":
                 loaded = await self._guard(_answered, loaded, self._callback, item)
             elif item.kind == "resume":
                 loaded.next_run_at = self.clock.now()  # resume once (e.g. to retry a setup)
+            elif item.kind == "cancel":
+                self.items.appendleft(item)
+                self._cancelling = True
 
     async def _guard(self, fn: Any, loaded: Loaded, *args: Any) -> Loaded:
         """Run one unit of work; an I/O failure reloads the durable state and backs off."""
@@ -127,32 +149,51 @@ class Actor:
             self._io_failures = 0
             return self.cache.get(self.workflow_id) or loaded
         except Exception as e:  # noqa: BLE001 - e.g. disk full: never crash, back off and retry
-            self._io_failures += 1
-            delay = self._backoff(self._io_failures, None)
-            event = (
-                "checkpoint_failed" if isinstance(e, sqlite3.Error | OSError) else "workflow_error"
-            )
-            log.error(event, error=f"{type(e).__name__}: {e}", retry_in_s=delay)
-            # Callers waiting for an answer get an error now rather than after the disk (or the
-            # lock) comes back; inbox items are durable and stay queued.
-            self._reject_waiting(
-                Unavailable(f"cannot save workflow state: {type(e).__name__}: {e}")
-            )
-            self.cache.forget(self.workflow_id)
-            self._history.clear()
-            self._inbox_done.clear()
-            await self._sleep_until(self.clock.now() + delay)
-            fresh = await self.cache.load(self.workflow_id)
-            if fresh.state.status is not WorkflowStatus.RESUMING:
-                fresh.next_run_at = self.clock.now()  # resume once to finish setup
-            self.arms.rearm(fresh.wf, fresh.state)
-            return fresh
+            await self._back_off(e)
+        fresh = await self._load()
+        if fresh is None:
+            self._stop = True  # gone from the store, or stopping: nothing left to do
+            return loaded
+        status = fresh.state.status
+        if status is not WorkflowStatus.RESUMING and status not in FINAL_STATUSES:
+            fresh.next_run_at = self.clock.now()  # resume once to finish setup
+        self.arms.rearm(fresh.wf, fresh.state)
+        return fresh
 
-    async def _sleep_until(self, deadline: float) -> None:
+    async def _load(self) -> Loaded | None:
+        """Load the workflow, retrying a failing read; None if it cannot run (callers told why)."""
+        while not self._stop:
+            try:
+                return await self.cache.load(self.workflow_id)
+            except WorkflowdError as e:
+                self._reject_all(e)
+                return None
+            except Exception as e:  # noqa: BLE001 - e.g. an I/O error: back off and retry
+                await self._back_off(e)
+        return None
+
+    async def _back_off(self, e: Exception) -> None:
+        """Log a failure, forget what was not saved, and wait before trying again."""
+        self._io_failures += 1
+        delay = self._backoff(self._io_failures, None)
+        event = "checkpoint_failed" if isinstance(e, sqlite3.Error | OSError) else "workflow_error"
+        log.error(event, error=f"{type(e).__name__}: {e}", retry_in_s=delay)
+        # Callers waiting for an answer get an error now rather than after the disk (or the
+        # lock) comes back.
+        self._reject_waiting(Unavailable(f"cannot save workflow state: {type(e).__name__}: {e}"))
+        # Inbox events taken since the last save are acknowledged but not applied: they go
+        # back to the front of the queue, in order, so none is stranded or overtaken.
+        self.items.extendleft(reversed(self._unsaved))
+        self._unsaved = []
+        self.cache.forget(self.workflow_id)
+        self._history.clear()
+        await self._sleep_until(self.clock.now() + delay)
+
+    async def _sleep_until(self, deadline: float, *, takes_items: bool = False) -> None:
         with anyio.CancelScope() as self._scope:
-            self._interruptible = True
+            self._interruptible, self._takes_items = True, takes_items
             await self.clock.sleep_until(deadline)
-        self._scope, self._interruptible = None, False
+        self._scope, self._interruptible, self._takes_items = None, False, False
 
     async def _save(self, loaded: Loaded) -> None:
         await self.store.checkpoint(
@@ -164,9 +205,9 @@ class Actor:
             attempt=loaded.attempt,
             next_run_at=loaded.next_run_at,
             history=self._history,
-            inbox_done=self._inbox_done,
+            inbox_done=[item.inbox_id for item in self._unsaved if item.inbox_id is not None],
         )
-        self._history, self._inbox_done = [], []
+        self._history, self._unsaved = [], []
 
     async def _checkpoint(self, loaded: Loaded, kind: CheckpointType) -> None:
         # Resume transitions are a pure function of data and state, so only what follows a
@@ -271,19 +312,24 @@ class Actor:
         await self._end(loaded, WorkflowStatus.FAILED, error)
         log.error("workflow_failed", error=error)
 
-    async def _cancel(self, loaded: Loaded) -> Loaded:
+    async def _cancel(self, loaded: Loaded) -> None:
         self._cancelling = False
         cancels = [i for i in self.items if i.kind == "cancel"]
         for item in cancels:
             self.items.remove(item)
-        if loaded.state.status not in FINAL_STATUSES:
-            loaded = await self._reload()
-            await self._end(loaded, WorkflowStatus.CANCELLED, None)
-            log.info("workflow_cancelled")
+        try:
+            if loaded.state.status not in FINAL_STATUSES:
+                loaded = await self._reload()
+                await self._end(loaded, WorkflowStatus.CANCELLED, None)
+                log.info("workflow_cancelled")
+        except Exception as e:
+            for item in cancels:  # they may ask again once the store works
+                if item.reply is not None:
+                    item.reply.fail(Unavailable(f"cancel not stored: {type(e).__name__}: {e}"))
+            raise
         for item in cancels:
             if item.reply is not None:
                 item.reply.set({"status": loaded.state.status.value})
-        return loaded
 
     async def _callback(self, loaded: Loaded, item: Item) -> None:
         assert item.req is not None
@@ -302,7 +348,9 @@ class Actor:
             await self._reject(await self._reload(), item, reply, e)
             return
         if item.inbox_id is not None:
-            self._inbox_done.append(item.inbox_id)
+            self._unsaved.append(item)
+        if loaded.state.status is WorkflowStatus.RESUMING:
+            loaded.next_run_at = None  # go on now, even if a broken wait was due a retry later
         self._history.append(("callback_received", {"event": event}))
         log.info("callback_received", event_name=event, thread=item.req.thread_id or None)
         self.arms.rearm(loaded.wf, loaded.state)
@@ -319,9 +367,26 @@ class Actor:
         log.info("callback_rejected", event_name=event, code=e.code, error=str(e))
         reply.fail(e)
         if item.inbox_id is not None:
-            self._inbox_done.append(item.inbox_id)
+            self._unsaved.append(item)
             self._history.append(("callback_rejected", {"event": event, "error": str(e)}))
             await self._save(loaded)
+
+    async def _reject_late(self, loaded: Loaded) -> None:
+        """Reject the inbox events queued for a workflow that has ended, and drop their rows."""
+        # Acknowledged before the end, they can apply to nothing now; without this they would
+        # stay in the inbox and be replayed (and refused) after every restart.
+        error = CallbackNotFound(f"workflow {self.workflow_id} is {loaded.state.status}")
+        for item in [i for i in self.items if i.inbox_id is not None]:
+            assert item.req is not None
+            self.items.remove(item)
+            log.info(
+                "callback_rejected", event_name=item.req.name, code=error.code, error=str(error)
+            )
+            self._unsaved.append(item)
+            self._history.append(
+                ("callback_rejected", {"event": item.req.name, "error": str(error)})
+            )
+        await self._save(loaded)
 
     def _reject_waiting(self, error: WorkflowdError) -> None:
         for item in [i for i in self.items if i.kind == "callback" and i.inbox_id is None]:

@@ -12,10 +12,10 @@ import anyio.abc
 import structlog
 
 from daemon.clock import Clock
-from daemon.core.definition import Definition
-from daemon.core.engine import Definable
+from daemon.core.definition import Definable, Definition
 from daemon.core.handler import CallbackRequest, Deliver, Handler
 from daemon.core.state import FINAL_STATUSES, EventStatus, State
+from daemon.runtime.supervise import supervise
 
 log = structlog.get_logger()
 
@@ -168,33 +168,33 @@ class Arms:
 
     async def run_timers(self) -> None:
         """Fire every timer when its deadline passes; runs until cancelled."""
-        while True:
-            self._wake = anyio.Event()
-            if not self._heap:
-                await self._wake.wait()
-                continue
-            deadline = self._heap[0][0]
-            if deadline > self._clock.now():
-                await self._sleep_or_wake(deadline)
-                continue
-            now = self._clock.now()
-            while self._heap and self._heap[0][0] <= now:
-                due, _, key = heapq.heappop(self._heap)
-                if self._timers.get(key) != due:
-                    continue  # disarmed or re-armed since
-                self.disarm(key)
-                req = CallbackRequest(key[0], key[1], key[2], key[3])
-                # Inline, not a task per timer: a burst of due timers stays cheap.
-                await self._fire(req, {"deadline": due, "fired_at": now})
+        await supervise("timers", self._fire_due, self._until_due)
 
-    async def _fire(self, req: CallbackRequest, input: dict[str, float]) -> None:
-        try:
-            await self._submit(req, input, False)
-        except Exception as e:  # noqa: BLE001 - a timer must never take the runtime down
-            # The wait is still armed in the store, so the timer fires again after a restart.
-            log.error(
-                "timer_fire_failed", workflow_id=req.workflow_id, event_name=req.name, error=str(e)
-            )
+    async def _until_due(self) -> None:
+        """Return once the earliest timer is due, or a new timer may be earlier."""
+        self._wake = anyio.Event()
+        if not self._heap:
+            await self._wake.wait()
+        elif self._heap[0][0] > self._clock.now():
+            await self._sleep_or_wake(self._heap[0][0])
+
+    async def _fire_due(self) -> None:
+        """Fire every timer that is due now."""
+        now = self._clock.now()
+        while self._heap and self._heap[0][0] <= now:
+            entry = heapq.heappop(self._heap)
+            due, _, key = entry
+            if self._timers.get(key) != due:
+                continue  # disarmed or re-armed since
+            req = CallbackRequest(key[0], key[1], key[2], key[3])
+            try:
+                # Inline, not a task per timer: a burst of due timers stays cheap.
+                await self._submit(req, {"deadline": due, "fired_at": now}, False)
+            except BaseException:
+                # Still armed: the supervisor tries this timer again after its backoff.
+                heapq.heappush(self._heap, entry)
+                raise
+            self.disarm(key)
 
     async def _sleep_or_wake(self, deadline: float) -> None:
         async with anyio.create_task_group() as tg:

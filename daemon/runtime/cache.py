@@ -10,7 +10,7 @@ import msgspec
 
 from daemon.core.state import State
 from daemon.core.workflow import Workflow
-from daemon.errors import UnknownWorkflowType, WorkflowdError, WorkflowNotFound
+from daemon.errors import Conflict, UnknownWorkflowType, WorkflowNotFound
 from daemon.store.base import Store, WorkflowRow
 
 Registry = dict[str, type[Workflow]]
@@ -76,15 +76,20 @@ class Cache:
         return await self.load(workflow_id)
 
     def decode(self, row: WorkflowRow) -> Loaded:
-        """Turn a stored row into a live workflow; a corrupt row raises WorkflowdError."""
+        """Turn a stored row into a live workflow; a row that cannot be one raises Conflict."""
         cls = self.registry.get(row.name)
         if cls is None:
-            raise UnknownWorkflowType(f"workflow type {row.name!r} is not registered")
+            raise Conflict(f"workflow {row.id}: its type {row.name!r} is not registered")
         try:
-            wf = cls.from_json(row.data)
             state = State.from_json(row.state)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise WorkflowdError(f"corrupt row {row.id}: {e}") from e
+            raise Conflict(f"corrupt row {row.id}: its state does not decode: {e}") from e
+        try:
+            wf = cls.from_json(row.data)
+        except Exception as e:  # msgspec, or the class's own __post_init__
+            raise Conflict(
+                f"corrupt row {row.id}: its data does not load into {row.name}: {e}"
+            ) from e
         return Loaded(wf, state, attempt=row.attempt, error=row.error, next_run_at=row.next_run_at)
 
     def remember(self, loaded: Loaded) -> None:

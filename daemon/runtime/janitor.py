@@ -7,9 +7,10 @@ from collections.abc import Callable
 import anyio
 import structlog
 
-from daemon.core.engine import teardown_ended
+from daemon.core.waits import teardown_ended
 from daemon.errors import WorkflowdError
 from daemon.runtime.cache import Cache
+from daemon.runtime.supervise import supervise
 from daemon.store.base import Store
 
 log = structlog.get_logger()
@@ -25,6 +26,8 @@ class Janitor:
         #: Workflows not to touch now: being saved (the next sweep sees them), or held.
         self._skip = skip
         self._wake = anyio.Event()
+        #: Teardowns still failing after the last sweep, and the wait before the next one.
+        self._left, self._delay = 0, RETRY_INITIAL_S
 
     def wake(self) -> None:
         """Ask for a sweep soon (an ended workflow kept a failed teardown)."""
@@ -57,18 +60,17 @@ class Janitor:
 
     async def run(self) -> None:
         """Sweep now, then whenever woken; while teardowns keep failing, retry with backoff."""
-        delay = RETRY_INITIAL_S
-        while True:
-            self._wake = anyio.Event()
-            try:
-                left = await self.sweep()
-            except Exception as e:  # noqa: BLE001 - e.g. a locked database: try again later
-                log.warning("teardown_sweep_failed", error=f"{type(e).__name__}: {e}")
-                left = 1
-            if not left:
-                delay = RETRY_INITIAL_S
-                await self._wake.wait()
-                continue
-            with anyio.move_on_after(delay):
-                await self._wake.wait()
-            delay = min(delay * 2, RETRY_MAX_S)
+        await supervise("janitor", self._sweep_round, self._pause)
+
+    async def _sweep_round(self) -> None:
+        self._wake = anyio.Event()  # a wake-up from now on asks for another sweep
+        self._left = await self.sweep()
+
+    async def _pause(self) -> None:
+        if not self._left:
+            self._delay = RETRY_INITIAL_S
+            await self._wake.wait()
+            return
+        with anyio.move_on_after(self._delay):
+            await self._wake.wait()
+        self._delay = min(self._delay * 2, RETRY_MAX_S)

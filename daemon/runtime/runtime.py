@@ -19,11 +19,12 @@ from daemon.clock import Clock, get_clock, use_clock
 from daemon.core.handler import CallbackRequest
 from daemon.core.lint import Finding, lint_workflow
 from daemon.core.state import FINAL_STATUSES, EventStatus, State, WorkflowStatus
-from daemon.errors import CallbackNotFound, Conflict, Unavailable, WorkflowdError, WorkflowNotFound
+from daemon.errors import CallbackNotFound, Conflict, Unavailable, WorkflowNotFound
 from daemon.runtime.actor import Actor
 from daemon.runtime.arming import Arms
 from daemon.runtime.cache import Cache, Loaded, Registry
 from daemon.runtime.janitor import Janitor
+from daemon.runtime.recovery import Recovery
 from daemon.runtime.scheduler import Hold, Scheduler
 from daemon.runtime.settings import Settings
 from daemon.runtime.work import Item, Reply
@@ -60,8 +61,8 @@ async def _replay(
 class Runtime:
     """Runs every workflow of one store; the control socket calls its public methods.
 
-    Its parts (`cache`, `scheduler`, `arms`, `janitor`) are public for the composition root,
-    which hands them to the operator's tools; no part is given the runtime itself.
+    Its parts (`cache`, `scheduler`, `arms`, `recovery`, `janitor`) are public for the
+    composition root, which hands them to the operator's tools; no part is given the runtime.
     """
 
     def __init__(
@@ -80,6 +81,9 @@ class Runtime:
             tg, cache=self.cache, hold=Hold(settings.hold), new_actor=self._new_actor
         )
         self.arms = Arms(tg, clock, self._submit_callback)
+        self.recovery = Recovery(
+            store=store, cache=self.cache, scheduler=self.scheduler, arms=self.arms
+        )
         hold = self.scheduler.hold
         self.janitor = Janitor(
             store=store,
@@ -160,42 +164,24 @@ class Runtime:
     # -- recovery ---------------------------------------------------------------------------
 
     async def recover(self) -> None:
-        """Pick up every unfinished workflow: resume runnable ones, re-arm waiting ones."""
-        counts = dict.fromkeys(("resumed", "armed", "broken", "held"), 0)
-        async for row in self.store.unfinished():
-            counts[await self.recover_one(row)] += 1
-        for pending in await self.store.inbox_pending():
-            req = CallbackRequest(pending.workflow_id, pending.thread_id, pending.event, pending.pc)
-            self.scheduler.submit(
-                pending.workflow_id,
-                Item("callback", req=req, input=pending.input, inbox_id=pending.id),
-            )
-        log.info("recovered", **counts)
+        """Pick up every unfinished workflow: resume, re-arm, or hold it if it does not fit."""
+        await self.recovery.recover()
 
     async def recover_one(self, row: WorkflowRow) -> str:
-        """Resume or re-arm one unfinished workflow; return which (or "broken", "held")."""
-        if self.scheduler.hold.holds(row.id):
-            return "held"
-        try:
-            loaded = self.cache.decode(row)
-        except WorkflowdError as e:
-            log.error("workflow_corrupt", workflow_id=row.id, workflow=row.name, error=str(e))
-            await self.store.set_status(row.id, status=row.status, error=str(e))
-            return "broken"
-        state = loaded.state
-        needs_setup = any(
-            ev.status is not EventStatus.SETUP for t in state.threads for ev in t.wait_events
-        )
-        if state.status is WorkflowStatus.RESUMING or needs_setup:
-            self.cache.remember(loaded)
-            self.scheduler.submit(row.id, Item("resume"))
-            return "resumed"
-        try:
-            self.arms.rearm(loaded.wf, loaded.state)
-        except Exception as e:  # noqa: BLE001 - one bad definition must not stop recovery
-            log.error("workflow_rearm_failed", workflow_id=row.id, error=str(e))
-            return "broken"
-        return "armed"
+        """Resume, re-arm or hold one unfinished workflow; return which (see `Recovery`)."""
+        return await self.recovery.recover_one(row)
+
+    async def refit(self) -> builtins.list[dict[str, Any]]:
+        """Release the held workflows that fit the code now registered; return the others."""
+        return await self.recovery.refit()
+
+    def unfit(self, workflow_id: str) -> str | None:
+        """Say why a workflow is held for not fitting the running code, or None."""
+        return self.scheduler.hold.incompatible.get(workflow_id)
+
+    def incompatible(self) -> int:
+        """Count the workflows held because they do not fit the running code."""
+        return len(self.scheduler.hold.incompatible)
 
     # -- the API the control socket calls ---------------------------------------------------
 
@@ -244,6 +230,9 @@ class Runtime:
     ) -> Any:
         """Deliver an event; returns the handler's output once it is durable."""
         self._check_open()
+        unfit = self.scheduler.hold.incompatible.get(workflow_id)
+        if unfit is not None:
+            raise Conflict(f"workflow {workflow_id} does not fit the running code: {unfit}")
         loaded = await self.cache.load(workflow_id)
         if loaded.state.status in FINAL_STATUSES:
             raise CallbackNotFound(f"workflow {workflow_id} is {loaded.state.status}")
@@ -265,7 +254,10 @@ class Runtime:
     async def cancel(self, workflow_id: str) -> dict[str, Any]:
         """Cancel a workflow: tear down its waits and stop a running step."""
         self._check_open()
-        loaded = await self.cache.load(workflow_id)
+        try:
+            loaded = await self.cache.load(workflow_id)
+        except Conflict as e:  # its row does not decode: no actor can load it
+            return await self._cancel_undecodable(workflow_id, str(e))
         if loaded.state.status in FINAL_STATUSES:
             return {"workflow_id": workflow_id, "status": loaded.state.status.value}
         reply = Reply()
@@ -274,7 +266,42 @@ class Runtime:
         if actor is not None:
             actor.interrupt()
         await reply.wait()
+        if self.scheduler.hold.incompatible.pop(workflow_id, None) is not None:
+            await self._drop_parked(workflow_id)
         return {"workflow_id": workflow_id, "status": WorkflowStatus.CANCELLED.value}
+
+    async def _cancel_undecodable(self, workflow_id: str, problem: str) -> dict[str, Any]:
+        """Cancel a workflow whose row does not decode, without its waits' teardown."""
+        row = await self.store.get(workflow_id)
+        if row is None:
+            raise WorkflowNotFound(f"no workflow {workflow_id!r}")
+        if row.status in FINAL_STATUSES:
+            return {"workflow_id": workflow_id, "status": row.status}
+        note = f"cancelled without tearing down its waits: {problem}"
+        await self.store.set_status(
+            workflow_id,
+            status=WorkflowStatus.CANCELLED.value,
+            error=row.error,
+            history=[("cancelled", {"error": None, "note": note})],
+        )
+        log.warning("workflow_cancelled", workflow_id=workflow_id, workflow=row.name, note=note)
+        self.scheduler.hold.incompatible.pop(workflow_id, None)
+        self.cache.forget(workflow_id)
+        await self._drop_parked(workflow_id)
+        return {"workflow_id": workflow_id, "status": WorkflowStatus.CANCELLED.value}
+
+    async def _drop_parked(self, workflow_id: str) -> None:
+        """Reject what was queued for a held workflow that was cancelled, inbox rows included."""
+        ended = CallbackNotFound(f"workflow {workflow_id} is Cancelled")
+        inbox = []
+        for item in self.scheduler.hold.parked.pop(workflow_id, []):
+            if item.reply is not None:
+                item.reply.fail(ended)
+            if item.inbox_id is not None:
+                inbox.append(item.inbox_id)
+        if inbox:
+            log.info("inbox_dropped", workflow_id=workflow_id, count=len(inbox), reason="cancelled")
+            await self.store.inbox_done(inbox)
 
     async def list(
         self, *, status: str | None = None, workflow: str | None = None, limit: int = 100
@@ -358,6 +385,7 @@ class Runtime:
             "updated_at": row.updated_at,
             "waiting_for": waiting,
             "error": row.error,
+            "incompatible": self.scheduler.hold.incompatible.get(row.id),
         }
 
 

@@ -27,10 +27,15 @@ class Hold:
         self.released: set[str] = set()
         #: Workflows a repair holds off (`Scheduler.exclusive`).
         self.busy: set[str] = set()
+        #: Workflows whose stored state does not fit the running code, with the reason; held
+        #: until a reload, a restart or a repair makes them fit.
+        self.incompatible: dict[str, str] = {}
         self.parked: dict[str, list[Item]] = {}
 
     def holds(self, workflow_id: str) -> bool:
-        """Tell whether the workflow is held (`workflowd --hold` and not released)."""
+        """Tell whether the workflow is held (`workflowd --hold` and not released, or unfit)."""
+        if workflow_id in self.incompatible:
+            return True
         return self.held and workflow_id not in self.released
 
     def park(self, workflow_id: str, item: Item) -> bool:
@@ -69,7 +74,7 @@ class Scheduler:
             self._idle = anyio.Event()
             self._tg.start_soon(self._run, actor)
         actor.items.append(item)
-        actor.wake.set()
+        actor.notify()
 
     def unpark(self, workflow_id: str) -> None:
         """Submit the work parked for a workflow."""

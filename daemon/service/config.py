@@ -48,6 +48,8 @@ class StoreConfig:
     synchronous: str = _opt("enum", "normal", choices=("normal", "full"))
     history_keep: int = _opt("int", 1000, min=1)
     keep_finished_days: int = _opt("int", 30, min=0)
+    #: How often retention runs (it also runs at start).
+    retention_interval_s: float = _opt("float", 3600.0, gt=0)
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,10 @@ class Store(Protocol):
         """Store an acknowledged callback until it is applied; return its id."""
         ...
 
+    async def inbox_done(self, ids: Sequence[int]) -> None:
+        """Drop inbox rows that will never be applied."""
+        ...
+
     async def delete_finished(self, older_than: float) -> int:
         """Delete ended workflows last changed before `older_than`; return how many."""
         ...

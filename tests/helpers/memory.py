@@ -164,6 +164,10 @@ class MemoryBackend:
         """Count the workflows at work: none, in memory."""
         return 0
 
+    def incompatible(self) -> int:
+        """Count the workflows held for not fitting the code: none, in memory."""
+        return 0
+
     @asynccontextmanager
     async def subscribe_logs(
         self, workflow_id: str | None = None, *, follow: bool = True

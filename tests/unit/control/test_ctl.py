@@ -306,3 +306,21 @@ class TestFormatting:
         header, first, second = text.splitlines()
         assert header.index("B") == first.index("1")
         assert second == "x"
+
+    def test_reload_names_restart_keys_and_held_workflows(self) -> None:
+        """An accepted reload says which keys need a restart and which workflows stay held."""
+        result = {
+            "reloaded": True,
+            "workflows": ["Memo"],
+            "needs_restart": ["store.history_keep", "log.format"],
+            "incompatible": [{"workflow_id": "m1", "workflow": "Memo", "reason": "gone\nhere"}],
+            "incompatible_count": 1,
+        }
+        assert show("reload", result).splitlines() == [
+            "reloaded: Memo",
+            "needs a restart: store.history_keep, log.format",
+            "still held, 1 workflow(s) do not fit the new code:",
+            "  m1 (Memo): gone\\nhere",
+        ]
+        plain = {"reloaded": True, "workflows": ["Memo"], "needs_restart": [], "incompatible": []}
+        assert show("reload", plain) == "reloaded: Memo"

@@ -18,12 +18,15 @@ from typing import Any
 import anyio
 import anyio.abc
 import pytest
+import structlog
 
-from daemon import Workflow
+from daemon import CallbackRequest, Workflow
 from daemon.clock import FakeClock
 from daemon.errors import CallbackNotFound, StaleCallback
+from daemon.runtime.arming import Arms, key_of
 from daemon.runtime.runtime import Runtime
 from daemon.store.sqlite import SQLiteStore
+from handlers import Timer
 from handlers._dirwatch import hub
 from tests.helpers.probes import exchange, fds, unix_bound, unix_listening
 from tests.helpers.wait import until, wait_runtime_status
@@ -109,6 +112,30 @@ class TestTimer:
             shown = await wait_runtime_status(rt, "t", "Finished")
             assert shown["data"]["ran"] == ["it"]
             assert shown["data"]["seen"]["got"]["deadline"] == start + 60
+
+    async def test_failed_fire_is_retried(self) -> None:
+        """A timer whose callback cannot be queued stays armed and fires on the retry."""
+        clock, calls = FakeClock(), []
+
+        async def submit(req: CallbackRequest, input: Any, wait: bool) -> None:
+            calls.append(input)
+            if len(calls) == 1:
+                raise RuntimeError("queue broke")
+
+        with structlog.testing.capture_logs() as logs:
+            async with anyio.create_task_group() as tg:
+                arms = Arms(tg, clock, submit)
+                tg.start_soon(arms.run_timers)
+                deadline = clock.now() + 60
+                req = CallbackRequest("w", "_main_", "wake", 1, json.dumps({"deadline": deadline}))
+                arms.sync("w", {key_of(req): (req, Timer(after=60))})
+                clock.advance(61)
+                await until(lambda: len(calls) == 2)  # after the supervisor's 1 s backoff
+                assert arms.armed("w") == set()
+                tg.cancel_scope.cancel()
+        assert calls[1] == {"deadline": deadline, "fired_at": deadline + 1}
+        (failed,) = [r for r in logs if r["event"] == "task_failed"]
+        assert failed["task"] == "timers" and "queue broke" in failed["error"]
 
 
 class TestFileWatch:

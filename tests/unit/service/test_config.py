@@ -116,6 +116,10 @@ class TestErrors:
             ("[runtime]\nretry_max_attempts = -1", "[runtime] retry_max_attempts: must be >= 0"),
             ("[store]\nhistory_keep = 0", "[store] history_keep: must be >= 1, got 0"),
             (
+                "[store]\nretention_interval_s = 0",
+                "[store] retention_interval_s: must be > 0, got 0.0",
+            ),
+            (
                 "[runtime]\nretry_initial_s = 10.0\nretry_max_s = 5.0",
                 "[runtime] retry_max_s: must be >= retry_initial_s",
             ),
@@ -219,6 +223,7 @@ class TestSystemdDirectories:
         assert cfg.daemon.socket == Path("/run/workflowd/workflowd.sock")
         assert cfg.daemon.allowed_groups == (4242,)
         assert cfg.workflows.paths == (REPO / "systemd" / "workflows",)
+        assert cfg.store.retention_interval_s == 3600.0
 
 
 class TestImportWorkflowModules:
