@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import array
+import itertools
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -221,34 +224,24 @@ def decode_request(line: bytes) -> AnyRequest:
 
 
 def check_nesting(line: bytes, request: AnyRequest) -> None:
-    """Raise ProtocolError (`bad_input`) if a free-form value nests deeper than MAX_NESTING.
+    """Raise ProtocolError (`bad_input`) if a value of the request nests deeper than MAX_NESTING.
 
-    `line` is the request as read: one with fewer brackets than the limit cannot nest that
-    deep, and counting them costs far less than walking the decoded value.
+    Measured on `line`, the request as read (its own object is one level), at C speed: a
+    walk over the decoded value costs ten times as much, on the event loop.
     """
-    if line.count(b"[") + line.count(b"{") <= MAX_NESTING:
-        return
-    for name in ("input", "set"):
-        if _nests_deeper(getattr(request, name, None), MAX_NESTING):
-            message = f"`{name}` nests deeper than {MAX_NESTING} levels"
-            raise ProtocolError("bad_input", message, request.id)
+    if line.count(b"[") + line.count(b"{") <= MAX_NESTING + 1:
+        return  # too few brackets to nest that deep
+    steps = _STRING.sub(b"", line).translate(_STEPS, _NOT_BRACKETS)
+    if max(itertools.accumulate(array.array("b", steps)), default=0) > MAX_NESTING + 1:
+        message = f"a value nests deeper than {MAX_NESTING} levels"
+        raise ProtocolError("bad_input", message, request.id)
 
 
-def _nests_deeper(value: Any, limit: int) -> bool:
-    """Tell whether `value` holds lists or objects more than `limit` deep, without recursing."""
-    stack: list[tuple[Any, int]] = [(value, 0)]
-    while stack:
-        item, above = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        if above >= limit:
-            return True
-        stack.extend((child, above + 1) for child in children)
-    return False
+#: A JSON string (the line decoded, so it is well formed): brackets inside do not count.
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+#: Opening brackets become +1, closing ones -1 (as signed bytes); all else is dropped.
+_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
 def ok(id: Id, result: Any) -> dict[str, Any]:
