@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,13 @@ pytest.register_assert_rewrite("tests.helpers")
 
 from daemon.service.log import set_level
 from tests.helpers.memory import MemoryBackend
+
+# A suite started in the background by a non-interactive shell (`pytest &` in a script) has
+# SIGINT ignored, and every process it starts would inherit that: tests that stop
+# `workflowctl logs -f` or the daemon with SIGINT would hang. A handled signal is reset to
+# its default in a child, so handling it here gives children the normal Ctrl-C.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
