@@ -104,6 +104,10 @@ class StoreLocked(WorkflowdError):
     """Another workflowd process holds this database."""
 
 
+class StoreUnusable(WorkflowdError):
+    """The database, or a file or folder beside it, cannot be opened for writing."""
+
+
 class ConfigError(WorkflowdError):
     """The configuration is invalid."""
 

@@ -21,7 +21,7 @@ import structlog
 from daemon.control.server import Server, serve
 from daemon.control.sockfile import listener_from_systemd
 from daemon.core.workflow import Workflow
-from daemon.errors import ConfigError, StoreLocked, ValidationError
+from daemon.errors import ConfigError, StoreLocked, StoreUnusable, ValidationError
 from daemon.identity import refuse_foreign
 from daemon.ops.backup import backup
 from daemon.ops.modules import load_registry
@@ -215,7 +215,7 @@ async def _collect_garbage(rt: Runtime, reloader: Reloader) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run workflowd; exit 2 on a bad configuration, 1 if another daemon holds the store."""
+    """Run workflowd; exit 2 on a bad configuration or database, 1 if another daemon holds it."""
     refused = refuse_foreign("workflowd")
     if refused is not None:
         return refused
@@ -252,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     except StoreLocked as e:
         print(f"workflowd: {e}", file=sys.stderr)
         return 1
+    except StoreUnusable as e:  # raised before READY: the daemon never ran
+        print(f"workflowd: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     main_thread = threading.main_thread()

@@ -17,7 +17,10 @@ like systemd's .path units.
 - setup records the file's identity (inode, size, mtime), so an edge that
   happened before listen started, or while the daemon was down, still fires
   when listen starts (`modified`: the file differs from the one at setup).
-- Each pending listen holds two threads (see DirWatch).
+- setup adds the directory to the daemon's one inotify instance (see
+  `_dirwatch.Hub`): a directory that cannot be watched (the per-user inotify
+  limits, permissions) fails the setup, so the wait shows the error and is
+  set up again with backoff, like any failed setup. A listen costs no thread.
 
 The input delivered is `{"path": matched path, "change": on}`.
 """
@@ -34,7 +37,7 @@ from watchfiles import Change
 
 from daemon.core.handler import CallbackRequest, Deliver
 
-from ._dirwatch import Changes, DirWatch
+from ._dirwatch import Changes, hub
 
 _ON = ("created", "modified", "deleted", "exists", "nonempty")
 _MAGIC = re.compile(r"[*?[]")
@@ -62,8 +65,20 @@ class FileWatch:
         self.on = on
 
     async def setup(self, req: CallbackRequest) -> str:
-        """Store the absolute path, the condition and the file's current identity."""
-        return msgspec.json.encode(_spec(self.path, self.on)).decode()
+        """Watch the directory; store the absolute path, the condition and the file's identity.
+
+        Raises WatchFailed (an OSError) if the directory cannot be watched.
+        """
+        spec = _spec(self.path, self.on)
+        for attempt in range(3):
+            try:
+                await hub().add(_root(spec))
+                break
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
+                # The directory vanished between the check and the watch: look again.
+        return msgspec.json.encode(spec).decode()
 
     async def listen(self, req: CallbackRequest, deliver: Deliver) -> None:
         """Wait for the condition, then deliver it; cancelling closes the watch."""
@@ -143,20 +158,21 @@ def _on_changes(spec: _Spec, changes: Changes) -> str | None:
 
 async def _wait(spec: _Spec) -> str:
     """Watch until the condition holds and return the matching path."""
+    shared = hub()
     while True:
         root = _root(spec)
+        hit = None
         try:
-            watch = DirWatch(root)
+            async with shared.watching(root) as watch:
+                hit = _on_arm(spec)
+                while hit is None:
+                    changes = await watch.next_batch()
+                    hit = _on_changes(spec, changes)
+                    # A root that was removed or renamed, or a missing directory that
+                    # appeared, needs a new watch (inode numbers are reused: compare paths).
+                    if any(path == root for _, path in changes) or _root(spec) != root:
+                        break
         except FileNotFoundError:
             continue  # the root vanished between the check and the watch
-        with watch:
-            hit = _on_arm(spec)
-            while hit is None:
-                changes = await watch.next_batch()
-                hit = _on_changes(spec, changes)
-                # A root that was removed or renamed, or a missing directory that appeared,
-                # needs a new watch (inode numbers are reused, so compare paths).
-                if any(path == root for _, path in changes) or _root(spec) != root:
-                    break
         if hit is not None:
             return hit

@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import tomllib
 from collections.abc import Iterator
 from datetime import datetime
@@ -21,6 +22,8 @@ from daemon.identity import refuse_foreign
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 DEFAULT_SOCKET = "state/workflowd.sock"  # the [daemon] socket default of config.toml
+#: Seconds a command waits for its answer unless --timeout says otherwise (`logs -f` waits on).
+DEFAULT_TIMEOUT_S = 60.0
 
 
 class Unreachable(Exception):
@@ -36,36 +39,81 @@ class NoSvg(Exception):
 
 
 class Connection:
-    """A blocking JSON-lines connection to the daemon."""
+    """A blocking JSON-lines connection to the daemon, with a deadline for its answer.
 
-    def __init__(self, path: Path) -> None:
+    `timeout` (None: none) bounds connecting, sending and reading; with `first_only`, it bounds
+    only the wait for the first response line (`logs -f`: records may then pause for hours).
+    """
+
+    def __init__(self, path: Path, timeout: float | None = None, first_only: bool = False) -> None:
+        self.timeout, self.first_only = timeout, first_only
+        self.deadline = None if timeout is None else time.monotonic() + timeout
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
+            self._arm()
             self.sock.connect(str(path))
         except OSError as e:
             self.sock.close()
-            raise Unreachable(e.strerror or str(e)) from None
+            raise self._unreachable(e) from None
         self.lines = self.sock.makefile("rb")
+
+    def _arm(self) -> None:
+        """Give the next socket call what is left of the deadline."""
+        if self.deadline is not None:
+            self.sock.settimeout(max(self.deadline - time.monotonic(), 1e-3))
+
+    def _unreachable(self, e: OSError) -> Unreachable:
+        if isinstance(e, TimeoutError):
+            return Unreachable(f"no answer within {self.timeout:g} s (--timeout)")
+        return Unreachable(e.strerror or str(e))
 
     def send(self, request: proto.AnyRequest) -> None:
         """Write one request."""
         try:
+            self._arm()
             self.sock.sendall(proto.encode(request))
         except BrokenPipeError:
             pass  # the daemon refused us at once; its reply, still to be read, says why
         except OSError as e:
-            raise Unreachable(e.strerror or str(e)) from None
+            raise self._unreachable(e) from None
 
     def responses(self) -> Iterator[dict[str, Any]]:
         """Yield responses until the daemon closes the connection."""
         try:
-            for line in self.lines:
+            while True:
+                self._arm()
+                line = self.lines.readline()
+                if not line:
+                    break
+                if self.first_only and self.deadline is not None:
+                    self.deadline = None
+                    self.sock.settimeout(None)
                 yield proto.decode_response(line)
         except OSError as e:
-            raise Unreachable(e.strerror or str(e)) from None
+            raise self._unreachable(e) from None
         except proto.ProtocolError as e:
             raise Unreachable(e.message) from None
         raise Unreachable("workflowd closed the connection")
+
+
+def seconds(text: str) -> float:
+    """Parse --timeout: seconds, at least 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, not {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds (0 waits forever), not {text!r}")
+    return value
+
+
+def answer_timeout(args: argparse.Namespace) -> float | None:
+    """Return how long to wait for the daemon's answer: --timeout, else the command's default."""
+    if args.timeout is not None:
+        return args.timeout or None  # 0: wait forever
+    if args.command == "logs" and args.follow:
+        return None
+    return DEFAULT_TIMEOUT_S
 
 
 def json_value(text: str) -> Any:
@@ -104,23 +152,35 @@ class SetFields(argparse.Action):
 
 
 def add_global_options(parser: argparse.ArgumentParser, **defaults: Any) -> None:
-    """Add --socket, --config and --json with the given defaults."""
+    """Add --socket, --config, --json and --timeout with the given defaults."""
     parser.add_argument("--socket", default=defaults["socket"], help="the control socket's path")
     parser.add_argument(
         "--config", default=defaults["config"], help="read [daemon] socket here (./config.toml)"
     )
     parser.add_argument("--json", action="store_true", default=defaults["json"], help="print JSON")
+    parser.add_argument(
+        "--timeout",
+        type=seconds,
+        default=defaults["timeout"],
+        metavar="S",
+        help=f"give up (exit 3) after S seconds without an answer; 0 waits forever "
+        f"(default {DEFAULT_TIMEOUT_S:g}; `logs -f`: no limit, S bounds its first record)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the command-line parser."""
     parser = argparse.ArgumentParser(prog="workflowctl", description=__doc__)
-    add_global_options(parser, socket=None, config="config.toml", json=False)
+    add_global_options(parser, socket=None, config="config.toml", json=False, timeout=None)
     # Global options also work after the command; SUPPRESS keeps the command's parser from
     # overwriting a value given before it.
     common = argparse.ArgumentParser(add_help=False)
     add_global_options(
-        common, socket=argparse.SUPPRESS, config=argparse.SUPPRESS, json=argparse.SUPPRESS
+        common,
+        socket=argparse.SUPPRESS,
+        config=argparse.SUPPRESS,
+        json=argparse.SUPPRESS,
+        timeout=argparse.SUPPRESS,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -317,7 +377,8 @@ def run(args: argparse.Namespace, path: Path) -> int:
         if shutil.which("dot") is None:
             raise NoSvg("--format svg needs Graphviz's `dot` (install graphviz); try --format dot")
         args.format = "dot"
-    conn = Connection(path)
+    follow = args.command == "logs" and args.follow
+    conn = Connection(path, answer_timeout(args), first_only=follow)
     conn.send(build_request(args))
     for response in conn.responses():
         if not response.get("ok"):

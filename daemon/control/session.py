@@ -200,12 +200,19 @@ class Session:
 
 
 def _decode(line: bytes) -> proto.AnyRequest | proto.ProtocolError:
+    """Return the request on `line`, or the error to answer it with; never raises."""
     try:
         request: proto.AnyRequest = _requests.decode(line)
+        proto.check_nesting(line, request)
         return request
+    except proto.ProtocolError as e:
+        return e
     except (msgspec.DecodeError, RecursionError):
         pass
     try:
         return proto.decode_request(line)
     except proto.ProtocolError as e:
         return e
+    except Exception as e:  # a line that breaks the decoder still gets an answer
+        log.exception("control_decode_failed")
+        return proto.ProtocolError("internal", f"{type(e).__name__}: {e}")

@@ -62,7 +62,8 @@ class Step(Stmt):
     name: str
     action: Action
     retry: Retry | None = None
-    #: Seconds after which an async action is cancelled (and the step fails).
+    #: Seconds after which the step fails with TimeoutError (and is retried): an async action
+    #: is cancelled; a sync one's thread is abandoned, its worker slot freed.
     timeout: float | None = None
 
 

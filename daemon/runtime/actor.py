@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +25,7 @@ from daemon.errors import CallbackNotFound, HandlerRejected, StepFailed, Unavail
 from daemon.runtime.arming import Arms
 from daemon.runtime.cache import Cache, Loaded
 from daemon.runtime.settings import Settings
-from daemon.runtime.steps import run_step
+from daemon.runtime.steps import StepRun, run_step
 from daemon.runtime.work import Item, Reply
 from daemon.store.base import Store
 
@@ -56,7 +55,8 @@ class Actor:
     # backend up on every Event it makes (the daemon runs on asyncio only).
     #: Set once the actor has exited (a repair waits for it).
     done: asyncio.Event = field(default_factory=asyncio.Event)
-    running_step: tuple[str, float] | None = None
+    #: The step in flight, for `show`.
+    running_step: StepRun | None = None
     _scope: anyio.CancelScope | None = None
     _interruptible: bool = False
     #: The current wait ends when work is queued (a broken wait's retry, not a step's).
@@ -135,7 +135,7 @@ class Actor:
                 return
             item = self.items.popleft()
             if item.kind == "callback":
-                loaded = await self._guard(self._callback, loaded, item)
+                loaded = await self._guard(_answered, loaded, self._callback, item)
             elif item.kind == "resume":
                 loaded.next_run_at = self.clock.now()  # resume once (e.g. to retry a setup)
             elif item.kind == "cancel":
@@ -251,9 +251,9 @@ class Actor:
                 self.on_leftover()
 
     async def _run_step(self, step: Step) -> None:
-        self.running_step = (step.name, time.monotonic())
+        self.running_step = run = StepRun(step.name)
         try:
-            await run_step(step, limiter=self.limiter, note=self._note)
+            await run_step(step, limiter=self.limiter, note=self._note, run=run)
         finally:
             self.running_step = None
 
@@ -401,9 +401,34 @@ class Actor:
                 item.reply.fail(error)
 
 
+async def _answered(
+    loaded: Loaded, callback: Callable[[Loaded, Item], Awaitable[None]], item: Item
+) -> None:
+    """Apply a callback item; if that raises, answer its sender with the error, then re-raise.
+
+    The item is off the queue by then, so nothing else would ever answer it.
+    """
+    try:
+        await callback(loaded, item)
+    except Exception as e:
+        if item.reply is not None:
+            item.reply.fail(_unexpected(e))
+        raise
+
+
+def _unexpected(e: Exception) -> WorkflowdError:
+    """Return the error to answer a request with when `e` broke its handling."""
+    if isinstance(e, WorkflowdError):
+        return e
+    if isinstance(e, sqlite3.Error | OSError):
+        return Unavailable(f"cannot save workflow state: {type(e).__name__}: {e}")
+    return WorkflowdError(f"{type(e).__name__}: {e}")
+
+
 def _check_fits(wf: Workflow) -> None:
     """Raise HandlerRejected unless the data still round-trips through its field types."""
     try:
         type(wf).from_json(wf.to_json())
-    except (msgspec.MsgspecError, TypeError, ValueError) as e:
+    except (msgspec.MsgspecError, TypeError, ValueError, RecursionError) as e:
+        # RecursionError: data nested too deeply (or holding itself) to be saved.
         raise HandlerRejected(f"the input does not fit {type(wf).__name__}'s fields: {e}") from e

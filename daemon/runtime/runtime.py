@@ -326,8 +326,7 @@ class Runtime:
         )
         actor = self.scheduler.actor(workflow_id)
         if actor is not None and actor.running_step is not None:
-            step, since = actor.running_step
-            out["running_step"] = {"step": step, "for_s": round(time.monotonic() - since, 3)}
+            out["running_step"] = actor.running_step.shown()
         if self.scheduler.hold.holds(workflow_id):
             out["held"] = True
         return out

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 import time
 import types
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 import anyio
@@ -20,14 +22,107 @@ Note = Callable[[str, dict[str, Any]], None]
 _PLAIN_CALLABLES = (types.FunctionType, types.MethodType)
 
 
-async def run_step(step: Step, *, limiter: anyio.CapacityLimiter, note: Note) -> None:
-    """Run a step's action to its end; raise what it raises, TimeoutError past its timeout."""
+@dataclass(slots=True)
+class StepRun:
+    """One step in flight, as `show` tells it: waiting for a worker slot, or running."""
+
+    step: str
+    #: When the step began (time.monotonic()), slot wait included.
+    began: float = field(default_factory=time.monotonic)
+    #: Since when (Unix seconds) a sync step waits for one of `max_concurrent_steps` slots.
+    queued_since: float | None = None
+    #: Since when (Unix seconds) it runs.
+    running_since: float | None = None
+
+    def shown(self) -> dict[str, Any]:
+        """Return `show`'s `running_step`: the step, `for_s`, and when it queued or began."""
+        out: dict[str, Any] = {"step": self.step, "for_s": round(time.monotonic() - self.began, 3)}
+        if self.running_since is not None:
+            out["running_since"] = self.running_since
+        elif self.queued_since is not None:
+            out["queued_since"] = self.queued_since
+        return out
+
+
+class Abandoned:
+    """Counts the worker threads the daemon gave up on while they still run.
+
+    A thread cannot be stopped; one whose step ran past its timeout (or was cancelled) is
+    left to finish on its own, its result dropped. These threads belong to the process, not
+    to one workflow or runtime, hence one counter (ABANDONED) for all.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: Threads given up on since the start.
+        self.total = 0
+        #: Of those, the ones still running.
+        self.running = 0
+
+    def started(self) -> None:
+        """Count a thread given up on."""
+        with self._lock:
+            self.total += 1
+            self.running += 1
+
+    def ended(self) -> None:
+        """Count an abandoned thread that has finished."""
+        with self._lock:
+            self.running -= 1
+
+
+ABANDONED = Abandoned()
+
+
+class _Call:
+    """A sync action run in a worker thread; tells whether it finished or was given up on."""
+
+    def __init__(self, action: Callable[[], object], counter: Abandoned) -> None:
+        self._action, self._counter = action, counter
+        self._lock = threading.Lock()
+        self._finished = self._abandoned = False
+
+    def __call__(self) -> object:
+        try:
+            return self._action()
+        finally:
+            with self._lock:
+                self._finished = True
+                if self._abandoned:
+                    self._counter.ended()
+
+    def abandon(self) -> bool:
+        """Give the thread up if it still runs; return whether it did."""
+        with self._lock:
+            if self._finished:
+                return False
+            self._abandoned = True
+            self._counter.started()
+            return True
+
+
+async def run_step(
+    step: Step,
+    *,
+    limiter: anyio.CapacityLimiter,
+    note: Note,
+    run: StepRun | None = None,
+    abandoned: Abandoned = ABANDONED,
+) -> None:
+    """Run a step's action to its end; raise what it raises, TimeoutError past its timeout.
+
+    A sync action waits for a slot of `limiter`; its timeout counts from when it has one, and
+    past it the slot is freed and the thread abandoned (see _run_sync). `run` is kept up to
+    date for `show`.
+    """
+    run = run or StepRun(step.name)
     started = time.perf_counter()
     if _is_async(step.action):
+        run.running_since = time.time()
         with _deadline(step.timeout):
             await step.action()
     else:
-        result = await _run_sync(step, limiter, note)
+        result = await _run_sync(step, limiter, note, run, abandoned)
         if inspect.isawaitable(result):
             with _deadline(step.timeout):
                 await result
@@ -40,27 +135,49 @@ def _deadline(timeout: float | None) -> contextlib.AbstractContextManager[Any]:
     return anyio.fail_after(timeout) if timeout else contextlib.nullcontext()
 
 
-async def _run_sync(step: Step, limiter: anyio.CapacityLimiter, note: Note) -> object:
-    """Run a sync action in a worker thread; one that outlives its timeout is reported.
+async def _run_sync(
+    step: Step, limiter: anyio.CapacityLimiter, note: Note, run: StepRun, abandoned: Abandoned
+) -> object:
+    """Run a sync action in a worker thread, holding one slot of `limiter` while it runs.
 
-    A thread cannot be cancelled, so a cancel (shutdown, `cancel`) abandons it instead of
-    waiting for it: a hung step must not hang the daemon. Its result is dropped and the
-    step runs again after a restart, as for a crash.
+    A thread cannot be cancelled. So past the step's timeout, or on a cancel (shutdown,
+    `cancel`), the thread is abandoned instead of waited for: its slot goes to the next step
+    at once (a hung step must not starve every other workflow), its result is dropped, and
+    the step fails with TimeoutError (and is retried) or stops. It is counted (ABANDONED)
+    and logged as `step_abandoned`.
     """
-    run = anyio.to_thread.run_sync
-    if step.timeout is None:
-        return await run(step.action, limiter=limiter, abandon_on_cancel=True)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(_report_slow, step.name, step.timeout, note)
-        result = await run(step.action, limiter=limiter, abandon_on_cancel=True)
-        tg.cancel_scope.cancel()
-    return result
+    run.queued_since = time.time()
+    async with limiter:
+        run.queued_since, run.running_since = None, time.time()
+        call = _Call(step.action, abandoned)
+        try:
+            with _deadline(step.timeout):
+                # The slot is `limiter`, held above; the thread call needs none of its own.
+                return await anyio.to_thread.run_sync(
+                    call, limiter=anyio.CapacityLimiter(1), abandon_on_cancel=True
+                )
+        except TimeoutError:
+            if not call.abandon():
+                raise
+            _report(step, note, "timeout", abandoned)
+            raise TimeoutError(
+                f"ran over its timeout of {step.timeout:g} s; its thread was abandoned"
+            ) from None
+        except BaseException:
+            if call.abandon():
+                _report(step, note, "cancelled", abandoned)
+            raise
 
 
-async def _report_slow(step: str, after_s: float, note: Note) -> None:
-    await anyio.sleep(after_s)
-    log.warning("step_slow", step=step, timeout_s=after_s, note="sync: cannot be cancelled")
-    note("step_slow", {"step": step, "timeout_s": after_s})
+def _report(step: Step, note: Note, reason: str, abandoned: Abandoned) -> None:
+    detail = {"step": step.name, "reason": reason, "timeout_s": step.timeout}
+    log.warning(
+        "step_abandoned",
+        **detail,
+        abandoned_running=abandoned.running,
+        abandoned_total=abandoned.total,
+    )
+    note("step_abandoned", detail)
 
 
 def _is_async(fn: Any) -> TypeGuard[Callable[[], Awaitable[Any]]]:

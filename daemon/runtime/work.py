@@ -19,15 +19,22 @@ class Reply:
         self._value: Any = None
         self._error: BaseException | None = None
 
+    @property
+    def answered(self) -> bool:
+        """Tell whether the answer is in; the first answer given is the one that counts."""
+        return self._done.is_set()
+
     def set(self, value: Any) -> None:
-        """Answer with a value."""
-        self._value = value
-        self._done.set()
+        """Answer with a value, unless already answered."""
+        if not self.answered:
+            self._value = value
+            self._done.set()
 
     def fail(self, error: BaseException) -> None:
-        """Answer with an error."""
-        self._error = error
-        self._done.set()
+        """Answer with an error, unless already answered."""
+        if not self.answered:
+            self._error = error
+            self._done.set()
 
     async def wait(self) -> Any:
         """Return the answer, or raise its error."""

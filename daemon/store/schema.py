@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import sqlite3
@@ -13,14 +14,20 @@ from typing import Any
 import aiosqlite
 import anyio
 import msgspec
+import structlog
 
 from daemon.core.state import FINAL_STATUSES
-from daemon.errors import BadRequest, ConfigError, Conflict, StoreLocked
+from daemon.errors import BadRequest, ConfigError, Conflict, StoreLocked, StoreUnusable
+
+log = structlog.get_logger(__name__)
 
 FINAL = tuple(sorted(s.value for s in FINAL_STATUSES))
 SYNCHRONOUS = {"normal": "NORMAL", "full": "FULL"}
 COLS = "id, name, status, data, state, error, attempt, next_run_at, created_at, updated_at"
 FINAL_ROWS = "status IN (?, ?, ?) AND updated_at < ?"
+#: Workflow data is the daemon's alone: a state folder it creates, and every file of the
+#: database (and its backups), get these modes whatever the umask.
+FOLDER_MODE, FILE_MODE = 0o700, 0o600
 
 #: MIGRATIONS[n] takes the schema from version n to n + 1; append new ones, never edit old ones.
 MIGRATIONS: list[str] = [
@@ -81,10 +88,84 @@ def detail_of(text: str) -> dict[str, Any]:
     return detail if isinstance(detail, dict) else {"value": detail}
 
 
+def unusable(action: str, path: Path, e: OSError) -> StoreUnusable:
+    """Return the start-up error for an OS error on `path`: one line, with the errno."""
+    name = errno.errorcode.get(e.errno or 0, "?")
+    return StoreUnusable(f"cannot {action} {path}: [Errno {e.errno}] {e.strerror} ({name})")
+
+
+def make_folder(folder: Path) -> None:
+    """Create the state folder with FOLDER_MODE; an existing folder is the operator's, as is."""
+    if folder.is_dir():
+        return
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(FOLDER_MODE)
+        os.chmod(folder, FOLDER_MODE)  # mkdir's mode is cut by the umask
+    except FileExistsError:
+        if not folder.is_dir():
+            raise StoreUnusable(f"cannot create {folder}: it exists and is not a folder") from None
+    except OSError as e:
+        raise unusable("create", folder, e) from None
+
+
+def _private(fd: int, path: Path) -> None:
+    """Give an open file of ours FILE_MODE (a file made by an older version may be looser)."""
+    mode = os.fstat(fd).st_mode & 0o7777
+    if mode != FILE_MODE:
+        try:
+            os.fchmod(fd, FILE_MODE)
+        except PermissionError:
+            log.warning("store_file_mode", path=str(path), mode=oct(mode), note="not our file")
+
+
+def open_private(path: Path, flags: int) -> int:
+    """Open `path` (O_RDWR plus `flags`), made FILE_MODE; raise StoreUnusable if it refuses.
+
+    A missing file raises FileNotFoundError as is, unless `flags` hold O_CREAT.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | flags, FILE_MODE)
+    except FileNotFoundError as e:
+        if not flags & os.O_CREAT:
+            raise
+        raise unusable("create", path, e) from None
+    except OSError as e:
+        raise unusable("write", path, e) from None
+    try:
+        _private(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_files(db: Path) -> None:
+    """Make the database's files private and check each one, and the folder, can be written.
+
+    The database is created here if it is missing, with FILE_MODE: SQLite gives the -wal
+    and -shm files it creates the database's mode, so those stay private too. Every
+    check opens for writing, so the first file that refuses (read-only, immutable, on a
+    read-only mount, not ours) is named with its errno before the daemon reports READY,
+    instead of the first write failing after it.
+    """
+    os.close(open_private(db, os.O_CREAT))
+    for suffix in ("-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.close(open_private(db.with_name(db.name + suffix), 0))
+    # SQLite creates -wal and -shm in the folder. We hold the lock, so this name is ours.
+    probe = db.with_name(f".{db.name}.probe")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE))
+        os.unlink(probe)
+    except OSError as e:
+        raise unusable("create files in", db.parent, e) from None
+
+
 @contextlib.contextmanager
 def exclusive_lock(db: Path) -> Iterator[None]:
     lock = db.with_name(db.name + ".lock")
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = open_private(lock, os.O_CREAT)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -130,6 +211,15 @@ async def migrate(conn: aiosqlite.Connection, path: Path) -> None:
 def backup_file(src_path: Path, dest: Path) -> int:
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
     try:
+        # Made private before SQLite opens it, so the copy is never readable by others.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+    except OSError as e:
+        raise BadRequest(f"cannot write {dest}: {e}") from None
+    try:
+        try:
+            os.fchmod(fd, FILE_MODE)
+        finally:
+            os.close(fd)
         src = sqlite3.connect(src_path)
         try:
             dst = sqlite3.connect(tmp)

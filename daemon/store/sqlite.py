@@ -18,6 +18,7 @@ from daemon.clock import get_clock
 from daemon.errors import (
     ConfigError,
     Conflict,
+    StoreUnusable,
     Unavailable,
     WorkflowNotFound,
 )
@@ -48,20 +49,29 @@ class SQLiteStore:
     async def open(
         cls, path: Path | str, *, synchronous: str = "normal", history_keep: int = 1000
     ) -> AsyncIterator[SQLiteStore]:
-        """Lock, open and migrate the database at `path`; drain and release it on exit."""
+        """Lock, open and migrate the database at `path`; drain and release it on exit.
+
+        Anything that keeps the database from being written (a read-only or immutable file,
+        a folder the daemon may not write) raises StoreUnusable here, naming the file, so the
+        daemon refuses to start rather than fail after it reported READY.
+        """
         sync = schema.SYNCHRONOUS.get(synchronous)
         if sync is None:
             raise ConfigError(f"synchronous must be 'normal' or 'full', not {synchronous!r}")
         if history_keep < 1:
             raise ConfigError(f"history_keep must be at least 1, not {history_keep}")
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         async with contextlib.AsyncExitStack() as stack:
+            schema.make_folder(path.parent)
             stack.enter_context(schema.exclusive_lock(path))
+            schema.check_files(path)
             base = "PRAGMA busy_timeout = 5000; PRAGMA journal_mode = WAL;"
-            writer = await schema.connect(stack, path, f"{base} PRAGMA synchronous = {sync};")
-            await schema.migrate(writer, path)
-            reader = await schema.connect(stack, path, f"{base} PRAGMA query_only = 1;")
+            try:
+                writer = await schema.connect(stack, path, f"{base} PRAGMA synchronous = {sync};")
+                await schema.migrate(writer, path)
+                reader = await schema.connect(stack, path, f"{base} PRAGMA query_only = 1;")
+            except (OSError, sqlite3.Error) as e:
+                raise StoreUnusable(f"cannot open {path}: {type(e).__name__}: {e}") from None
             store = cls(path, writer, reader, history_keep)
             failure: Exception | None = None
             async with anyio.create_task_group() as tg:

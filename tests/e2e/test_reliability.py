@@ -27,7 +27,7 @@ class TestCrashTorture:
 
 
 class TestHangingStep:
-    """Per-step timeouts: async steps are cancelled, sync steps are reported."""
+    """Per-step timeouts: async steps are cancelled, sync steps abandoned."""
 
     async def test_async_step_cancelled_and_retried(self, tmp_path: Path) -> None:
         """An async step past its timeout is cancelled, fails with TimeoutError and is retried."""
@@ -41,22 +41,23 @@ class TestHangingStep:
         assert "TimeoutError" in failure["error"] and failure["step"] == "stuck"
         assert [h["kind"] for h in history].count("step_failed") == 1
 
-    async def test_sync_step_reported_while_running(self, tmp_path: Path) -> None:
-        """A sync step past its timeout is logged as slow and `show` says how long it runs."""
+    async def test_sync_step_abandoned_at_its_timeout(self, tmp_path: Path) -> None:
+        """A sync step past its timeout is abandoned (its thread left to end, its slot freed),
+        fails with TimeoutError and is retried; what the abandoned thread does is dropped."""
         env = {"E2E_STEP_LOG": str(tmp_path / "steps.log")}
         async with running_daemon(tmp_path, MODULES, env=env) as d, d.client() as c:
             input = {"id": "s", "sync": True, "hang_s": 1.5}
             await c.call("start", workflow="Hang", workflow_id="s", input=input)
-            (slow,) = await logged(d, "step_slow")
-            assert slow["step"] == "slow" and slow["workflow_id"] == "s"
-            shown = await c.call("show", workflow_id="s")
-            assert shown["running_step"]["step"] == "slow"
-            assert shown["running_step"]["for_s"] >= 0
+            (abandoned,) = await logged(d, "step_abandoned")
+            assert abandoned["step"] == "slow" and abandoned["workflow_id"] == "s"
+            assert abandoned["reason"] == "timeout" and abandoned["abandoned_total"] >= 1
             shown = await wait_status(c, "s", "Finished")
             assert shown["data"]["runs"] == 1 and "running_step" not in shown
             kinds = [h["kind"] for h in await c.call("history", workflow_id="s")]
-        assert "step_slow" in kinds
-        assert (tmp_path / "steps.log").read_text().count(" slow ") == 1
+            (failure,) = await logged(d, "step_failed")
+        assert "TimeoutError" in failure["error"] and failure["step"] == "slow"
+        assert kinds.count("step_abandoned") == 1 and kinds.count("step_failed") == 1
+        assert (tmp_path / "steps.log").read_text().count(" slow ") == 2
 
     async def test_stop_with_a_hung_sync_step(self, tmp_path: Path) -> None:
         """SIGTERM while a sync step hangs: the daemon still exits after its grace period."""
@@ -64,9 +65,9 @@ class TestHangingStep:
         daemon = {"shutdown_grace_s": 0.2}
         async with running_daemon(tmp_path, MODULES, env=env, daemon=daemon) as d:
             async with d.client() as c:
-                input = {"id": "s", "sync": True}
+                input = {"id": "s", "sync": True, "timeout_s": 3600.0}
                 await c.call("start", workflow="Hang", workflow_id="s", input=input)
-                await logged(d, "step_slow")
+                await shown_when(c, "s", lambda s: "running_since" in s.get("running_step", {}))
             assert d.proc is not None
             d.proc.terminate()
             await logged(d, "daemon_stopped")  # the event loop did stop: the thread is abandoned

@@ -289,7 +289,7 @@ class Picky(Workflow):
 
 @dataclass
 class Hang(Workflow):
-    """Runs one step that hangs on its first run: async (cancelled) or sync (only reported)."""
+    """Runs one step that hangs on its first run: async (cancelled) or sync (abandoned)."""
 
     id: str = ""
     sync: bool = False

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from daemon.control.ctl import build_parser, build_request, cell, show, table
+from daemon.control.ctl import answer_timeout, build_parser, build_request, cell, show, table
 from daemon.control.protocol import Cancel, History, List, Logs, Ping, Send, Show, Start
 from tests.helpers import REPO
 from tests.helpers.memory import MemoryBackend, serving
@@ -143,6 +143,47 @@ class TestExitCodes:
         lines = done.stderr.decode().splitlines()  # "closed the connection" or "reset by peer"
         assert done.returncode == 3 and len(lines) == 1
         assert lines[0].startswith("workflowctl: cannot reach workflowd at ")
+
+
+class TestTimeout:
+    async def test_silent_daemon(self, short_tmp: Path) -> None:
+        """A daemon that takes the request and never answers: exit 3 once --timeout passes."""
+        async with await anyio.create_unix_listener(short_tmp / "s") as listener:
+            taken = []
+
+            async def take_and_hold() -> None:
+                taken.append(await listener.accept())  # read nothing, answer nothing
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(take_and_hold)
+                done = await ctl("--socket", str(short_tmp / "s"), "ping", "--timeout", "0.3")
+            for stream in taken:
+                await stream.aclose()
+        assert done.returncode == 3
+        where = f"workflowctl: cannot reach workflowd at {short_tmp / 's'}"
+        assert done.stderr.decode().splitlines() == [f"{where}: no answer within 0.3 s (--timeout)"]
+
+    @pytest.mark.parametrize(
+        ("argv", "seconds"),
+        [
+            (["ping"], 60.0),
+            (["logs"], 60.0),
+            (["send", "w", "e"], 60.0),
+            (["logs", "-f"], None),
+            (["--timeout", "5", "logs", "-f"], 5.0),
+            (["show", "w", "--timeout", "2.5"], 2.5),
+            (["--timeout", "0", "ping"], None),
+        ],
+    )
+    def test_defaults(self, argv: list[str], seconds: float | None) -> None:
+        """60 s for every command, none for `logs -f`; 0 waits forever."""
+        assert answer_timeout(build_parser().parse_args(argv)) == seconds
+
+    async def test_bad_value(self) -> None:
+        """A negative or non-numeric --timeout is a usage error."""
+        for value in ("-1", "soon", "nan"):
+            done = await ctl("--socket", "/nonexistent", "--timeout", value, "ping")
+            assert done.returncode == 2 and b"--timeout" in done.stderr
 
 
 class TestSocketPath:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from daemon import errors
 from daemon.control.protocol import (
     ERROR_CODES,
+    MAX_NESTING,
     OPS,
     History,
     List,
@@ -104,6 +105,30 @@ class TestDecodeRequest:
             decode_request(line)
         assert caught.value.code == code and words in caught.value.message
         assert caught.value.id == (7 if b'"id": 7' in line else None)
+
+    @pytest.mark.parametrize("depth", [MAX_NESTING + 1, 200, 900])
+    def test_deep_values_are_bad_input(self, depth: int) -> None:
+        """A value nested past MAX_NESTING is `bad_input`, with the request's id."""
+        deep = b"[" * depth + b"]" * depth
+        lines = [
+            b'{"op": "send", "id": 7, "workflow_id": "w", "event": "e", "input": %s}',
+            b'{"op": "edit", "id": 7, "workflow_id": "w", "set": {"f": %s}}',
+            b'{"op": "ping", "id": 7, "unknown": [1, {"x": %s}]}',
+        ]
+        for line in lines:
+            with pytest.raises(ProtocolError) as caught:
+                decode_request(line % (deep if b"set" not in line else deep[1:-1]))
+            assert caught.value.code == "bad_input" and caught.value.id == 7
+            assert f"deeper than {MAX_NESTING} levels" in caught.value.message
+
+    def test_nesting_at_the_limit_and_brackets_in_strings(self) -> None:
+        """A value exactly MAX_NESTING deep passes; brackets inside strings do not count."""
+        deep = b"[" * MAX_NESTING + b"]" * MAX_NESTING
+        line = b'{"op": "send", "workflow_id": "w", "event": "e", "input": %s}' % deep
+        assert isinstance(decode_request(line), Send)
+        brackets = b'"' + b"[{" * 500 + b'"'
+        line = b'{"op": "send", "workflow_id": "w", "event": "e", "input": [%s]}' % brackets
+        assert isinstance(decode_request(line), Send)
 
     @given(
         st.builds(

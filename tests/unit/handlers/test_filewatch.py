@@ -11,6 +11,7 @@ import pytest
 
 from daemon.core.handler import ActiveHandler, CallbackRequest
 from handlers import FileWatch
+from handlers._dirwatch import hub
 
 
 class Inbox:
@@ -46,17 +47,16 @@ async def until(cond: Any, ceiling: float = 10.0) -> None:
 
 
 async def fire(handler: FileWatch, req: CallbackRequest, act: Any = None) -> Any:
-    """Run listen; once its inotify watch is armed, call `act()`; return the delivered input."""
+    """Run listen; once it watches its directory, call `act()`; return the delivered input."""
     inbox = Inbox()
-    base = inotify_fds()
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             tg.start_soon(handler.listen, req, inbox)
             if act is not None:
-                await until(lambda: inotify_fds() > base or inbox.inputs)
+                await until(lambda: hub().subscribers() > 0 or inbox.inputs)
                 act()
             await inbox.event.wait()
-    await until(lambda: inotify_fds() <= base)  # the watch closes (asynchronously) with listen
+    assert hub().subscribers() == 0  # the subscription ends with listen
     assert len(inbox.inputs) == 1
     return inbox.inputs[0]
 
@@ -271,18 +271,17 @@ class TestRestart:
 
 
 class TestTeardown:
-    async def test_cancel_closes_the_watch(self, tmp_path: Path) -> None:
-        """Cancelling a pending listen closes its inotify watch; teardown is a harmless no-op."""
+    async def test_cancel_ends_the_subscription(self, tmp_path: Path) -> None:
+        """Cancelling a pending listen ends its subscription; teardown is a harmless no-op."""
         handler = FileWatch(tmp_path / "never", on="created")
         req = await setup(handler)
-        base = inotify_fds()
         inbox = Inbox()
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(handler.listen, req, inbox)
-                await until(lambda: inotify_fds() > base)
+                await until(lambda: hub().subscribers(str(tmp_path)) == 1)
                 tg.cancel_scope.cancel()
-        await until(lambda: inotify_fds() == base)
+        assert hub().subscribers() == 0
         await handler.teardown(req, False)
         await handler.teardown(req, False)
         assert inbox.inputs == []

@@ -27,6 +27,7 @@ from daemon.runtime.arming import Arms, key_of
 from daemon.runtime.runtime import Runtime
 from daemon.store.sqlite import SQLiteStore
 from handlers import Timer
+from handlers._dirwatch import hub
 from tests.helpers.probes import exchange, fds, unix_bound, unix_listening
 from tests.helpers.wait import until, wait_runtime_status
 from tests.workflows.handler import Guarded, Race
@@ -368,7 +369,9 @@ class TestNoLeaks:
                 await rt.start("Guarded", f"f{n}", {"kind": "file", "path": str(tmp_path / "x")})
                 await rt.start("Guarded", f"s{n}", {"kind": "socket", "path": str(socks[n])})
                 await rt.start("Guarded", f"g{n}", {"kind": "signal"})
-            await until(lambda: all(s.exists() for s in socks) and fds()["inotify"] == 4)
+            # The four file watches share the one inotify instance.
+            await until(lambda: all(s.exists() for s in socks) and hub().subscribers() == 4)
+            assert fds()["inotify"] == base["inotify"] + 1
             assert len(rt.arms) == 12 and listen_tasks() == 8
             for n in range(4):
                 for kind in "tfsg":

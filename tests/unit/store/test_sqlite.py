@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +14,7 @@ import anyio
 import pytest
 
 from daemon.clock import FakeClock, use_clock
-from daemon.errors import ConfigError, StoreLocked, Unavailable, WorkflowNotFound
+from daemon.errors import ConfigError, StoreLocked, StoreUnusable, Unavailable, WorkflowNotFound
 from daemon.store import schema as schema_module
 from daemon.store.base import WorkflowRow
 from daemon.store.schema import MIGRATIONS
@@ -171,6 +173,88 @@ class TestLock:
             with pytest.raises(StoreLocked, match="another workflowd holds"):
                 async with SQLiteStore.open(tmp_path / "wf.db"):
                     pass
+
+
+@contextlib.contextmanager
+def umask(mask: int) -> Iterator[None]:
+    """Run the block under another umask (this process's own: no thread makes files meanwhile)."""
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+@contextlib.contextmanager
+def immutable(path: Path) -> Iterator[None]:
+    """Make `path` immutable (chattr +i) for the block; skip if the file system cannot."""
+    try:
+        subprocess.run(["chattr", "+i", str(path)], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"chattr +i does not work here: {e}")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+def mode(path: Path) -> int:
+    """Return a file's permission bits."""
+    return path.stat().st_mode & 0o7777
+
+
+class TestFiles:
+    @pytest.mark.parametrize("mask", [0o000, 0o022, 0o277])
+    async def test_private_whatever_the_umask(self, tmp_path: Path, mask: int) -> None:
+        """The folder the store creates is 0700; the database, -wal, -shm, lock, backup 0600."""
+        db = tmp_path / "new" / "state" / "wf.db"
+        with umask(mask):
+            async with SQLiteStore.open(db) as store:
+                assert await store.create(row("a"))
+                await store.backup(tmp_path / "copy.db")
+                files = [db, *(db.with_name(db.name + s) for s in ("-wal", "-shm", ".lock"))]
+                modes = {p.name: mode(p) for p in [*files, tmp_path / "copy.db"]}
+        assert mode(db.parent) == 0o700
+        assert modes == dict.fromkeys(modes, 0o600) and len(modes) == 5
+        assert sorted(p.name for p in db.parent.iterdir()) == ["wf.db", "wf.db.lock"]
+
+    async def test_existing_files_are_made_private(self, tmp_path: Path) -> None:
+        """A database left readable by an older version is made 0600; its folder is left as is."""
+        db = tmp_path / "wf.db"
+        raw(db, "PRAGMA user_version = 0")
+        os.chmod(db, 0o644)
+        os.chmod(tmp_path, 0o755)
+        async with SQLiteStore.open(db) as store:
+            assert await store.create(row("a"))
+            assert mode(db.with_name("wf.db-wal")) == 0o600
+        assert mode(db) == 0o600 and mode(tmp_path) == 0o755
+
+    async def test_immutable_database_is_refused(self, tmp_path: Path) -> None:
+        """A database that cannot be written is refused at open, naming it and the errno."""
+        db = tmp_path / "wf.db"
+        async with SQLiteStore.open(db) as store:
+            assert await store.create(row("a"))
+        with immutable(db), pytest.raises(StoreUnusable) as caught:
+            async with SQLiteStore.open(db):
+                pass
+        assert str(caught.value) == f"cannot write {db}: [Errno 1] Operation not permitted (EPERM)"
+
+    async def test_immutable_folder_is_refused(self, tmp_path: Path) -> None:
+        """A folder that takes no new file (SQLite makes -wal and -shm there) is refused too."""
+        db = tmp_path / "state" / "wf.db"
+        async with SQLiteStore.open(db):
+            pass
+        with immutable(db.parent), pytest.raises(StoreUnusable, match="EPERM") as caught:
+            async with SQLiteStore.open(db):
+                pass
+        assert str(db.parent) in str(caught.value)
+
+    async def test_folder_that_is_a_file(self, tmp_path: Path) -> None:
+        """A [store] path under a regular file is refused with one line."""
+        (tmp_path / "f").write_text("")
+        with pytest.raises(StoreUnusable, match="not a folder"):
+            async with SQLiteStore.open(tmp_path / "f" / "wf.db"):
+                pass
 
 
 class TestWrites:
