@@ -317,8 +317,7 @@ class Schedules:
                 now,
                 "buffered" if buffer else "skipped",
                 nominal=n,
-                workflow_id=running,
-                reason="overlap",
+                reason=f"overlap: {running} still running",
             )
             await self._store.schedule_note(
                 s.name, last_nominal=n, buffered=n if buffer else None, records=[*missed, record]
