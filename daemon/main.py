@@ -113,6 +113,7 @@ async def run_daemon(
                 start=rt.start,
                 cancel=rt.cancel,
                 status=rt.status_of,
+                running=rt.scheduler.running,
                 held=lambda: rt.scheduler.hold.held,
                 schedules=schedules,
             )

@@ -7,10 +7,12 @@ decided by `daemon.core.schedule.plan`; this module does the waiting and the wri
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import heapq
 import itertools
 import math
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -27,8 +29,10 @@ from daemon.store.base import FireRecord, History, Store, WorkflowRow
 
 log = structlog.get_logger()
 FINAL = frozenset(s.value for s in FINAL_STATUSES)
-#: A wake-up later than this means the machine slept or the clock jumped: what came due
-#: meanwhile was missed, and follows each schedule's catch-up policy.
+#: A wake-up later than this, while the wall clock ran ahead of the monotonic one by as much,
+#: means the machine slept or the clock jumped: what came due meanwhile was missed, and follows
+#: each schedule's catch-up policy. (A loop that is merely busy falls behind on both clocks;
+#: its fires are late, not missed.)
 LATE_GRACE_S = 2.0
 #: The loop reads the wall clock at least this often: its sleeps are monotonic, so a suspend
 #: or a clock change would otherwise go unseen until a long sleep ends.
@@ -37,6 +41,10 @@ MAX_SLEEP_S = 60.0
 SPACING_S = 0.2
 #: While `workflowd --hold` holds, each schedule looks again this often.
 HOLD_RECHECK_S = 1.0
+#: Tasks that carry out fires, started as needed and then kept: many fires due at once go to
+#: the store together (one group commit), and handing one to a waiting task costs a fraction
+#: of starting a task for it.
+MAX_WORKERS = 512
 RETRY_INITIAL_S, RETRY_MAX_S = 1.0, 60.0
 
 
@@ -57,9 +65,11 @@ class Start(Protocol):
 Cancel = Callable[[str], Awaitable[Any]]
 #: Returns a workflow's status, or None if it does not exist.
 Status = Callable[[str], Awaitable[str | None]]
+#: Tells whether a workflow is running now (has an actor).
+Running = Callable[[str], bool]
 
 
-def _never() -> bool:
+def _never(*_: object) -> bool:
     return False
 
 
@@ -79,13 +89,16 @@ class _Entry:
     token: int = -1
     #: Set from the moment a fire is handed to a task until it is done.
     busy: bool = False
+    #: The last workflow was seen ending (its actor exited in a final status): no need to ask.
+    last_ended: bool = False
     held: bool = False
     #: When it last started a workflow (the spacing between starts).
     fired_at: float = -math.inf
     #: Its buffered fire may start: the workflow it waited for has stopped running.
     release_due: bool = False
     failures: int = 0
-    lock: anyio.Lock = field(default_factory=anyio.Lock)
+    # asyncio's lock, not anyio's: taken once per fire, and uncontended it never yields.
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class Schedules:
@@ -99,6 +112,7 @@ class Schedules:
         start: Start,
         cancel: Cancel,
         status: Status,
+        running: Running = _never,
         held: Callable[[], bool] = _never,
         schedules: Mapping[str, Schedule] | None = None,
         grace_s: float = LATE_GRACE_S,
@@ -106,6 +120,7 @@ class Schedules:
     ) -> None:
         self._store, self._clock = store, clock
         self._start, self._cancel, self._status, self._held = start, cancel, status, held
+        self._running = running
         self._grace, self._spacing = grace_s, spacing_s
         self._wanted: dict[str, Schedule] = dict(schedules or {})
         self._changed = True
@@ -114,9 +129,15 @@ class Schedules:
         self._seq = itertools.count()
         #: A running workflow id -> the schedule whose buffered fire waits for it to end.
         self._waiting: dict[str, str] = {}
+        #: Each schedule's last workflow id -> that schedule.
+        self._last_of: dict[str, _Entry] = {}
+        self._ready: asyncio.Queue[_Entry] = asyncio.Queue()
+        self._workers = self._idle = 0
         self._tg: anyio.abc.TaskGroup | None = None
         self._nap_scope: anyio.CancelScope | None = None
         self._nap_until = math.inf
+        #: The wall and monotonic clocks when the loop last woke.
+        self._mark = (clock.now(), time.monotonic())
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -138,8 +159,11 @@ class Schedules:
         self._wanted, self._changed = dict(schedules), True
         self._wake()
 
-    def workflow_exited(self, workflow_id: str) -> None:
-        """Note that a workflow's actor exited: a buffered fire may wait for it to end."""
+    def workflow_exited(self, workflow_id: str, status: str | None = None) -> None:
+        """Note that a workflow's actor exited (in `status`): a buffered fire may wait for it."""
+        last = self._last_of.get(workflow_id)
+        if last is not None and last.last_workflow_id == workflow_id:
+            last.last_ended = status in FINAL
         name = self._waiting.pop(workflow_id, None)
         e = self._entries.get(name) if name is not None else None
         if e is not None:
@@ -171,10 +195,7 @@ class Schedules:
                 if e is not None and e.token == token:
                     self._step(e, now)
             deadline = min(self._heap[0][0] if self._heap else math.inf, now + MAX_SLEEP_S)
-            if await self._nap(deadline):
-                late = self._clock.now() - deadline
-                if late > self._grace:
-                    self._jumped(late)
+            await self._nap(deadline)
 
     async def _sync(self) -> None:
         """Load the state of schedules new to this loop; drop the ones no longer wanted."""
@@ -184,7 +205,8 @@ class Schedules:
         new = [name for name in wanted if name not in self._entries]
         rows = {r.name: r for r in await self._store.schedules_load(new, now)} if new else {}
         for name in [n for n in self._entries if n not in wanted]:
-            del self._entries[name]
+            gone = self._entries.pop(name)
+            self._last_of.pop(gone.last_workflow_id or "", None)
         for name, s in wanted.items():
             e = self._entries.get(name)
             if e is None:
@@ -200,6 +222,8 @@ class Schedules:
                     # Its running workflow may have ended while the daemon was down.
                     release_due=r.buffered is not None,
                 )
+                if e.last_workflow_id is not None:
+                    self._last_of[e.last_workflow_id] = e
             e.schedule = s
             self._push(e, now)
         log.info("schedules_loaded", count=len(wanted), new=len(new))
@@ -214,20 +238,19 @@ class Schedules:
         if self._nap_scope is not None:
             self._nap_scope.cancel()
 
-    async def _nap(self, deadline: float) -> bool:
-        """Sleep until `deadline` or a wake-up; True if the deadline was reached."""
+    async def _nap(self, deadline: float) -> None:
+        """Sleep until `deadline` or a wake-up; then notice a suspend or a clock jump."""
         with anyio.CancelScope() as scope:
             self._nap_scope, self._nap_until = scope, deadline
             await self._clock.sleep_until(deadline)
         self._nap_scope, self._nap_until = None, math.inf
-        return not scope.cancel_called
-
-    def _jumped(self, late: float) -> None:
-        """The loop woke far too late (a suspend, a clock step): what came due was missed."""
-        now = self._clock.now()
-        log.warning("schedules_clock_jumped", late_s=round(late, 3))
-        for e in self._entries.values():
-            e.live_since = max(e.live_since, now)
+        now, mono = self._clock.now(), time.monotonic()
+        drift = (now - self._mark[0]) - (mono - self._mark[1])
+        self._mark = (now, mono)
+        if drift > self._grace and now - deadline > self._grace:
+            log.warning("schedules_clock_jumped", ahead_s=round(drift, 3))
+            for e in self._entries.values():
+                e.live_since = max(e.live_since, now)
 
     def _step(self, e: _Entry, now: float) -> None:
         """Hand a due schedule to a task, or put it back for when it is due."""
@@ -244,8 +267,20 @@ class Schedules:
             self._push(e, at)
             return
         e.busy = True
-        assert self._tg is not None
-        self._tg.start_soon(self._guarded, e)
+        self._ready.put_nowait(e)
+        if self._ready.qsize() > self._idle and self._workers < MAX_WORKERS:
+            assert self._tg is not None
+            self._workers += 1
+            self._tg.start_soon(self._worker)
+
+    async def _worker(self) -> None:
+        while True:
+            self._idle += 1
+            try:
+                e = await self._ready.get()
+            finally:
+                self._idle -= 1
+            await self._guarded(e)
 
     def _plan(self, e: _Entry, now: float) -> Plan:
         return plan(e.schedule, last=e.last, now=now, live_since=e.live_since)
@@ -334,7 +369,7 @@ class Schedules:
     async def _unfinished(self, e: _Entry) -> str | None:
         """Return the schedule's previous workflow if it has not ended yet."""
         wid = e.last_workflow_id
-        if wid is None:
+        if wid is None or (e.last_ended and not self._running(wid)):
             return None
         status = await self._status(wid)
         return wid if status is not None and status not in FINAL else None
@@ -401,7 +436,10 @@ class Schedules:
                     e.last = max(e.last, advance)
                 if from_buffer:
                     e.buffered = None
+                if e.last_workflow_id is not None:
+                    self._last_of.pop(e.last_workflow_id, None)
                 e.last_workflow_id, e.last_fire_at, e.fired_at = wid, now, now
+                e.last_ended, self._last_of[wid] = False, e
         late = round(now - nominal, 3) if nominal is not None else None
         log.info(
             "schedule_fired",

@@ -11,9 +11,9 @@ from daemon import Schedule, ValidationError
 from daemon.core.schedule import COUNT_CAP, iso, manual_id, plan, workflow_id
 
 
-def utc(*args: int) -> datetime:
+def utc(y: int, mo: int, d: int, h: int = 0, mi: int = 0, s: int = 0) -> datetime:
     """Return an aware UTC datetime."""
-    return datetime(*args, tzinfo=UTC)  # type: ignore[misc, arg-type]
+    return datetime(y, mo, d, h, mi, s, tzinfo=UTC)
 
 
 def fires(s: Schedule, after: datetime, n: int) -> list[datetime]:
@@ -25,9 +25,9 @@ def fires(s: Schedule, after: datetime, n: int) -> list[datetime]:
     return out
 
 
-def ts(*args: int) -> float:
+def ts(y: int, mo: int, d: int, h: int = 0, mi: int = 0, s: int = 0) -> float:
     """Return a UTC time as epoch seconds."""
-    return utc(*args).timestamp()
+    return utc(y, mo, d, h, mi, s).timestamp()
 
 
 class TestBerlin:

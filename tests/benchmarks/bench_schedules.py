@@ -1,0 +1,93 @@
+"""Schedule benchmark: many `every=1` schedules in a real workflowd; how late their fires are.
+
+Each schedule starts a `Stamp` workflow whose first (async) step stores `time.time()`. Two
+latenesses per fire, against its nominal time: `fire_late` when the firing loop handed the
+start to the store (the time in the fire's record), and `start_late` when the workflow's first
+step ran (the commit, the actor and the resume included). The daemon's CPU is read from /proc
+over the measured window and divided by the fires made meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from tests.helpers.harness import REPO
+
+from .common import bench_daemon, cpu_s, percentile, query, until_count
+
+SCHEDULES = 10_000
+EVERY_S = 1.0
+#: Nominal times measured: every fire of every schedule due in this many seconds.
+WINDOW_S = 5.0
+TARGET_P99_MS = 50.0
+_MODULE = "bench_schedules_mod"
+_IN_WINDOW = (
+    " FROM schedule_fires f JOIN workflows w ON w.id = f.workflow_id"
+    " WHERE f.kind = 'fired' AND f.nominal BETWEEN ? AND ?"
+)
+
+
+def _write_module(folder: Path, n: int, every: float) -> None:
+    (folder / f"{_MODULE}.py").write_text(
+        "from daemon import Schedule\n\n"
+        f"globals().update({{f's{{i}}': Schedule(f'b{{i:05d}}', 'Stamp', every={every})"
+        f" for i in range({n})}})\n"
+    )
+
+
+def _figure(metric: str, value: float, target: float | None, **context: Any) -> dict[str, Any]:
+    unit = "ms" if metric.endswith("_ms") else "us" if metric.endswith("_us") else ""
+    return {"bench": "schedules", "metric": metric, "value": value, "unit": unit,
+            "target": target, "mode": "workflowd", **context}  # fmt: skip
+
+
+async def run(
+    tmp: Path, schedules: int = SCHEDULES, every_s: float = EVERY_S, window_s: float = WINDOW_S
+) -> list[dict[str, Any]]:
+    """Run `schedules` schedules every `every_s`; measure the fires due in `window_s` seconds."""
+    await anyio.Path(tmp).mkdir(parents=True, exist_ok=True)
+    _write_module(tmp, schedules, every_s)
+    workflows = {
+        "paths": [str(REPO), str(tmp)],
+        "modules": ["tests.benchmarks.bench_workflows", _MODULE],
+    }
+    async with bench_daemon(tmp, workflows=workflows) as d:
+        assert d.proc is not None
+        db = d.tmp / "wd.db"
+        first = math.ceil((time.time() + 1.0) / every_s) * every_s  # a second to settle
+        window = (first, first + window_s - every_s / 2)
+        want = schedules * math.floor(window_s / every_s + 1e-9)
+        await anyio.sleep(max(0.0, first - time.time() - 0.1))
+        cpu, began = cpu_s(d.proc.pid), time.time()
+        finished = f"SELECT COUNT(*) {_IN_WINDOW} AND w.status = 'Finished'"
+        await until_count(db, finished, window, want, limit_s=window_s + 600, every_s=0.05)
+        cpu, took_s = cpu_s(d.proc.pid) - cpu, time.time() - began
+        # Fires after the window were made meanwhile too: the CPU is counted against them all.
+        ((made,),) = query(db, "SELECT COUNT(*) FROM schedule_fires WHERE at >= ?", (began,))
+        rows = query(db, f"SELECT f.nominal, f.at, w.data {_IN_WINDOW}", window)
+        ((missed,),) = query(
+            db, "SELECT COALESCE(SUM(count), 0) FROM schedule_fires WHERE kind = 'skipped'"
+        )
+    fire_late = [(at - nominal) * 1000 for nominal, at, _ in rows]
+    start_late = [(json.loads(data)["started_at"] - nominal) * 1000 for nominal, _, data in rows]
+    ctx = {"schedules": schedules, "every_s": every_s, "window_s": window_s,
+           "fires": len(rows), "missed": missed, "took_s": round(took_s, 2)}  # fmt: skip
+    return [
+        *(
+            _figure(
+                f"{name}_p{p}_ms",
+                round(percentile(values, p), 2),
+                TARGET_P99_MS if (name, p) == ("fire_late", 99) else None,
+                **ctx,
+            )
+            for name, values in (("fire_late", fire_late), ("start_late", start_late))
+            for p in (50, 99)
+        ),
+        _figure("daemon_cpu_per_fire_us", round(cpu / max(1, made) * 1e6), None, **ctx),
+    ]
