@@ -181,6 +181,7 @@ class TestCatchUp:
         async with bench(tmp_path / "db", s) as b:
             await b.to(T0 + 10)
             await fired_ids(b, "once", 1)
+            await b.rt.wait_idle()  # ended: the catch-up is no overlap
             b.clock.advance(95.0)  # 9.5 intervals in one go: far past the grace
             ids = await fired_ids(b, "once", 2)
             assert ids[1] == workflow_id("once", T0 + 100)
@@ -196,6 +197,7 @@ class TestCatchUp:
         async with bench(tmp_path / "db", s) as b:
             await b.to(T0 + 10)
             await fired_ids(b, "skip", 1)
+            await b.rt.wait_idle()
             b.clock.advance(95.0)
 
             async def skipped() -> bool:
