@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tests.benchmarks import bench_control, bench_runtime, bench_timers
+from tests.benchmarks import bench_control, bench_runtime, bench_schedules, bench_timers
 from tests.benchmarks.run import BENCHMARKS, normalize
 
 
@@ -21,7 +21,8 @@ class TestRegistry:
 
     def test_registered(self) -> None:
         """Each daemon benchmark has an entry in the runner's registry."""
-        assert {"bench_runtime", "bench_control", "bench_timers"} <= set(BENCHMARKS)
+        daemon_benches = {"bench_runtime", "bench_control", "bench_timers", "bench_schedules"}
+        assert daemon_benches <= set(BENCHMARKS)
 
 
 class TestRuntimeBench:
@@ -81,3 +82,14 @@ class TestTimersBench:
             {"idle_rss_mb", "waiting_rss_mb", "recovered_rss_mb", "starts_per_s",
              "empty_start_to_ping_s", "recovery_to_ping_s"},
         )  # fmt: skip
+
+
+class TestSchedulesBench:
+    """bench_schedules at a tiny size."""
+
+    async def test_lateness(self, tmp_path: Path) -> None:
+        """Every fire due in the window happens; its lateness and the CPU per fire are reported."""
+        figures = await bench_schedules.measure(tmp_path, schedules=5, window_s=2.0)
+        metrics = {f"{k}_p{p}_ms" for k in ("fire_late", "start_late") for p in (50, 99)}
+        _check("bench_schedules", figures, {*metrics, "daemon_cpu_per_fire_us"})
+        assert {f["fires"] for f in figures} == {10}

@@ -161,7 +161,9 @@ class TestKill:
         by_nominal = Counter(r["nominal_at"] for r in records)
         assert set(by_nominal) == set(ns) and set(by_nominal.values()) == {1}, by_nominal
         assert set(starts) == {1}
-        logged = Counter(r["workflow_id"] for r in d.records() if r.get("event") == "schedule_fired")
+        logged = Counter(
+            r["workflow_id"] for r in d.records() if r.get("event") == "schedule_fired"
+        )
         assert max(logged.values()) == 1  # a record can be lost to the kill, never doubled
 
 
@@ -307,7 +309,9 @@ class TestRefused:
             bad_module(tmp_path, 'a = Schedule("first", "Nope", every=3600)')
             refused = await workflowctl(d.socket, "--json", "reload")
             assert refused.returncode == 1
-            assert "schedule 'first': no workflow type 'Nope'" in json.loads(refused.stdout)["error"]
+            assert (
+                "schedule 'first': no workflow type 'Nope'" in json.loads(refused.stdout)["error"]
+            )
             async with d.client() as c:
                 (row,) = await c.call("schedules")
                 assert row["workflow"] == "Chime"
