@@ -16,8 +16,9 @@ from daemon import Schedule
 from daemon.clock import FakeClock
 from daemon.core.schedule import workflow_id
 from daemon.errors import ScheduleNotFound
+from daemon.runtime.fires import SPACING_S
 from daemon.runtime.runtime import Runtime
-from daemon.runtime.schedules import SPACING_S, Schedules
+from daemon.runtime.schedules import Schedules
 from daemon.store.base import FireRecord, History, WorkflowRow
 from daemon.store.sqlite import SQLiteStore
 from tests.helpers.wait import eventually
