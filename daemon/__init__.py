@@ -10,6 +10,7 @@ from daemon.core.engine import (
     validate,
 )
 from daemon.core.handler import ActiveHandler, CallbackRequest, Deliver, Handler, TimedHandler
+from daemon.core.schedule import Schedule
 from daemon.core.state import (
     MAIN_THREAD,
     CheckpointType,
@@ -84,6 +85,7 @@ __all__ = [
     "Return",
     "RunawayWorkflow",
     "S",
+    "Schedule",
     "Section",
     "StaleCallback",
     "State",

@@ -76,6 +76,12 @@ class WorkflowNotFound(WorkflowdError):
     code = "not_found"
 
 
+class ScheduleNotFound(WorkflowdError):
+    """No schedule has that name."""
+
+    code = "not_found"
+
+
 class UnknownWorkflowType(WorkflowdError):
     """No workflow class is registered under that name."""
 

@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -20,14 +20,16 @@ import structlog
 
 from daemon.control.server import Server, serve
 from daemon.control.sockfile import listener_from_systemd
+from daemon.core.schedule import Schedule
 from daemon.core.workflow import Workflow
 from daemon.errors import ConfigError, StoreLocked, StoreUnusable, ValidationError
 from daemon.identity import refuse_foreign
 from daemon.ops.backup import backup
-from daemon.ops.modules import load_registry
+from daemon.ops.modules import load_registry, schedules_of
 from daemon.ops.reload import Reloader, settings_of
 from daemon.ops.repairs import Repairs
 from daemon.runtime.runtime import Runtime
+from daemon.runtime.schedules import Schedules
 from daemon.runtime.supervise import supervise
 from daemon.service.config import Config, load_config
 from daemon.service.journal import JOURNAL_SOCKET
@@ -66,6 +68,7 @@ async def run_daemon(
     hub: LogHub | None = None,
     *,
     hold: bool = False,
+    schedules: Mapping[str, Schedule] | None = None,
     task_status: anyio.abc.TaskStatus[Runtime] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the daemon until SIGTERM/SIGINT; reports readiness once recovered and listening.
@@ -106,6 +109,25 @@ async def run_daemon(
                 gc=rt.gc,
                 keep_days=lambda: rt.settings.keep_finished_days,
             )
+            timetable = Schedules(
+                store=store,
+                clock=rt.clock,
+                start=rt.start,
+                cancel=rt.cancel,
+                status=rt.status_of,
+                running=rt.scheduler.running,
+                held=lambda: rt.scheduler.hold.held,
+                schedules=schedules,
+            )
+            rt.scheduler.on_exit = timetable.workflow_exited
+            reloader.on_schedules = timetable.configure
+            firing = anyio.CancelScope()
+
+            async def run_schedules(*, task_status: anyio.abc.TaskStatus[None]) -> None:
+                with firing:
+                    await timetable.run(task_status=task_status)
+
+            await tg.start(run_schedules)
             listener = await listener_from_systemd()
             serve_control = partial(
                 serve,
@@ -120,6 +142,7 @@ async def run_daemon(
                 idle_timeout=d.idle_timeout_s,
                 repairs=repairs,
                 ops=DaemonOps(reloader, store),
+                schedules=timetable,
             )
             control = anyio.CancelScope()
 
@@ -142,6 +165,7 @@ async def run_daemon(
                 break
             log.info("daemon_stopping", signal=signal.Signals(signum).name)
             notifier.stopping()
+            firing.cancel()  # no schedule starts a workflow once shutdown began
             # The socket stays open while steps finish, so requests get `unavailable` rather
             # than a hang-up; then the answers still in flight are written out.
             with anyio.CancelScope() as drain:
@@ -244,11 +268,12 @@ def main(argv: list[str] | None = None) -> int:
         native = JOURNAL_SOCKET if journal_attached(sys.stdout) else None
         configure_logging(cfg.log.level, cfg.log.format, hub=hub, journal=native)
         registry = load_registry(cfg)
+        schedules = schedules_of(cfg, registry)
     except (ConfigError, ValidationError) as e:
         print(f"workflowd: {e}", file=sys.stderr)
         return 2
     try:
-        anyio.run(partial(run_daemon, hold=args.hold), cfg, registry, hub)
+        anyio.run(partial(run_daemon, hold=args.hold, schedules=schedules), cfg, registry, hub)
     except StoreLocked as e:
         print(f"workflowd: {e}", file=sys.stderr)
         return 1

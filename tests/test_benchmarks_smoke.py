@@ -7,7 +7,13 @@ from typing import Any
 
 import pytest
 
-from tests.benchmarks import bench_control, bench_runtime, bench_timers, bench_torture
+from tests.benchmarks import (
+    bench_control,
+    bench_runtime,
+    bench_schedules,
+    bench_timers,
+    bench_torture,
+)
 from tests.benchmarks.run import BENCHMARKS, normalize
 from tests.helpers.disk_torture import FullPlan, disk_full_torture
 
@@ -24,7 +30,8 @@ class TestRegistry:
 
     def test_registered(self) -> None:
         """Each daemon benchmark has an entry in the runner's registry."""
-        assert {"bench_runtime", "bench_control", "bench_timers"} <= set(BENCHMARKS)
+        daemon_benches = {"bench_runtime", "bench_control", "bench_timers", "bench_schedules"}
+        assert daemon_benches <= set(BENCHMARKS)
 
 
 class TestRuntimeBench:
@@ -102,3 +109,14 @@ class TestTortureBench:
         )}  # fmt: skip
         _check("bench_torture", figures, metrics)
         assert all(f["value"] == 0 for f in figures if f["target"] == 0), figures
+
+
+class TestSchedulesBench:
+    """bench_schedules at a tiny size."""
+
+    async def test_lateness(self, tmp_path: Path) -> None:
+        """Every fire due in the window happens; its lateness and the CPU per fire are reported."""
+        figures = await bench_schedules.measure(tmp_path, schedules=5, window_s=2.0)
+        metrics = {f"{k}_p{p}_ms" for k in ("fire_late", "start_late") for p in (50, 99)}
+        _check("bench_schedules", figures, {*metrics, "daemon_cpu_per_fire_us"})
+        assert {f["fires"] for f in figures} == {10}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import sys
 import types
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -39,3 +40,10 @@ class TestReadme:
         assert reply == "noted, ann"
         assert d.wf.copies == 3
         assert d.state.status == WorkflowStatus.FINISHED  # type: ignore[comparison-overlap]
+
+    def test_schedule_in_the_tour(self) -> None:
+        """The tour's Schedule is valid and fires at 02:30 Berlin time, DST rules included."""
+        nightly: Any = readme_module().nightly
+        assert nightly.next_fire(datetime(2024, 3, 30, 12, tzinfo=UTC)) == datetime(
+            2024, 3, 31, 1, 0, tzinfo=UTC
+        )  # 02:30 does not exist that night: 03:00 CEST

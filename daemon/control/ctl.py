@@ -24,6 +24,14 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3
 DEFAULT_SOCKET = "state/workflowd.sock"  # the [daemon] socket default of config.toml
 #: Seconds a command waits for its answer unless --timeout says otherwise (`logs -f` waits on).
 DEFAULT_TIMEOUT_S = 60.0
+#: `workflowctl schedule ACTION` -> the op it sends.
+SCHEDULE_OPS = {
+    "list": "schedules",
+    "show": "schedule_show",
+    "pause": "schedule_pause",
+    "resume": "schedule_resume",
+    "trigger": "schedule_trigger",
+}
 
 
 class Unreachable(Exception):
@@ -184,8 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, help: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=help, parents=[common])
+    def command(name: str, help: str, within: Any = None) -> argparse.ArgumentParser:
+        return (within or sub).add_parser(name, help=help, description=help, parents=[common])
 
     command("ping", "check that workflowd answers; show its version and workflow counts")
     p = command("start", "start a workflow")
@@ -215,7 +223,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("backup", "copy the database, consistently, to a new file PATH the daemon writes")
     p.add_argument("path", metavar="PATH", type=os.path.abspath)
     add_repair_commands(command)
+    add_schedule_commands(command)
     return parser
+
+
+def add_schedule_commands(command: Any) -> None:
+    """Add `schedule list|show|pause|resume|trigger`."""
+    p = command("schedule", "list, show, pause, resume or trigger schedules")
+    sub = p.add_subparsers(dest="schedule_command", required=True, metavar="ACTION")
+    command("list", "list the schedules: next and last fire, paused", sub)
+    for name, help in [
+        ("show", "show a schedule's settings, state and last 100 fires"),
+        ("pause", "stop a schedule firing (kept across restarts)"),
+        ("resume", "let a paused schedule fire; what it missed follows its catch-up policy"),
+        ("trigger", "start the schedule's workflow now, once"),
+    ]:
+        command(name, help, sub).add_argument("name", metavar="NAME")
 
 
 def add_repair_commands(command: Any) -> None:
@@ -272,7 +295,8 @@ def socket_path(args: argparse.Namespace) -> Path:
 
 def build_request(args: argparse.Namespace) -> proto.AnyRequest:
     """Turn the parsed command line into a request (each option's dest is the field's name)."""
-    cls = proto.REQUESTS[args.command]
+    op = SCHEDULE_OPS[args.schedule_command] if args.command == "schedule" else args.command
+    cls = proto.REQUESTS[op]
     fields = {name: getattr(args, name) for name in cls.__struct_fields__ if name != "id"}
     return cls(id=1, **fields)
 
@@ -345,7 +369,54 @@ def show(command: str, result: Any) -> str:
             return reload_text(result)
         case "backup", {"path": str(path), "bytes": int(size)}:
             return f"backed up to {path} ({size} bytes)"
+        case "schedule list", list(rows):
+            return schedules_table(rows) if rows else "no schedules"
+        case "schedule show", {"name": str(), "fires": list()}:
+            return schedule_text(result)
+        case "schedule pause" | "schedule resume", {"name": name, "paused": bool(paused)}:
+            return f"{name}: {'paused' if paused else 'resumed'}"
+        case "schedule trigger", {"workflow_id": wid, "status": status}:
+            return f"{wid}: {status}"
     return pretty(result)
+
+
+def schedules_table(rows: list[dict[str, Any]]) -> str:
+    """Return `schedule list` rows as a table (times in local time)."""
+    shown = [
+        {
+            "name": r.get("name"),
+            "workflow": r.get("workflow"),
+            "spec": r.get("spec"),
+            "tz": r.get("tz"),
+            "next": cell(r.get("next_fire_at"), "next_fire_at"),
+            "last": cell(r.get("last_fire_at"), "last_fire_at"),
+            "last_result": r.get("last_status") or "",
+            "paused": "yes" if r.get("paused") else "no",
+        }
+        for r in rows
+    ]
+    return table(shown, list(shown[0]))
+
+
+def schedule_text(result: dict[str, Any]) -> str:
+    """Return `schedule show`: its settings and state, then its fires oldest first."""
+    last = result.get("last_workflow_id")
+    lines = [
+        f"name:      {result['name']}",
+        f"workflow:  {result.get('workflow')}  input: {compact(result.get('input') or {})}",
+        f"spec:      {result.get('spec')} ({result.get('tz')})",
+        f"catchup:   {result.get('catchup')} (window {result.get('catchup_window_s')} s)",
+        f"overlap:   {result.get('overlap')}  jitter: {result.get('jitter_s')} s",
+        f"next fire: {cell(result.get('next_fire_at'), 'at') or '-'}",
+        f"last fire: {cell(result.get('last_fire_at'), 'at') or '-'}"
+        + (f"  {last} ({result.get('last_status') or 'deleted'})" if last else ""),
+        f"paused:    {'yes' if result.get('paused') else 'no'}",
+    ]
+    if result.get("buffered_at") is not None:
+        lines.append(f"buffered:  {cell(result['buffered_at'], 'at')}")
+    fires = result["fires"]
+    columns = ["at", "kind", "nominal_at", "workflow_id", "reason", "count"]
+    return "\n".join([*lines, "", table(fires, columns) if fires else "no fires yet"])
 
 
 def reload_text(result: dict[str, Any]) -> str:
@@ -393,13 +464,20 @@ def run(args: argparse.Namespace, path: Path) -> int:
             result = response.get("result")
             if svg:
                 result = to_svg(str(result))
-            print(compact(result) if args.json else show(args.command, result))
+            print(compact(result) if args.json else show(command_of(args), result))
             if args.command == "lint" and any(f.get("level") == "error" for f in result or []):
                 return EXIT_ERROR
             if args.command == "reload" and not (result or {}).get("reloaded"):
                 return EXIT_ERROR
         return EXIT_OK
     return EXIT_OK  # not reached: responses() raises when the daemon hangs up
+
+
+def command_of(args: argparse.Namespace) -> str:
+    """Return the command as `show` knows it (`schedule list` for a subcommand)."""
+    if args.command == "schedule":
+        return f"schedule {args.schedule_command}"
+    return str(args.command)
 
 
 def to_svg(dot: str) -> str:

@@ -71,6 +71,16 @@ class DaemonOps(Protocol):
     async def backup(self, path: str) -> dict[str, Any]: ...
 
 
+class ScheduleTools(Protocol):
+    """What the control socket needs for schedules (daemon.runtime.schedules has them)."""
+
+    async def list(self) -> Records: ...
+    async def show(self, name: str) -> dict[str, Any]: ...
+    async def pause(self, name: str) -> dict[str, Any]: ...
+    async def resume(self, name: str) -> dict[str, Any]: ...
+    async def trigger(self, name: str) -> dict[str, Any]: ...
+
+
 RepairRequest = (
     proto.Graph | proto.Lint | proto.Goto | proto.Edit | proto.Undo | proto.Retry
     | proto.Resume | proto.ResumeAll | proto.Gc
@@ -95,8 +105,10 @@ class Dispatcher:
         *,
         repairs: RepairTools | None = None,
         ops: DaemonOps | None = None,
+        schedules: ScheduleTools | None = None,
     ) -> None:
         self._backend, self._repairs, self._ops = backend, repairs, ops
+        self._schedules = schedules
 
     async def __call__(self, req: proto.AnyRequest, reply: Reply, who: int | None = None) -> Any:
         """Run one request from the peer with uid `who`; return its result."""
@@ -132,6 +144,29 @@ class Dispatcher:
                 | proto.Retry() | proto.Resume() | proto.ResumeAll() | proto.Gc()
             ):  # fmt: skip
                 return await self._repair(req, who)
+            case (
+                proto.Schedules() | proto.ScheduleShow() | proto.SchedulePause()
+                | proto.ScheduleResume() | proto.ScheduleTrigger()
+            ):  # fmt: skip
+                return await self._schedule(req)
+            case _:
+                assert_never(req)
+
+    async def _schedule(self, req: proto.ScheduleRequest) -> Any:
+        s = self._schedules
+        if s is None:
+            raise Unavailable("this server does not offer schedules")
+        match req:
+            case proto.Schedules():
+                return await s.list()
+            case proto.ScheduleShow():
+                return await s.show(req.name)
+            case proto.SchedulePause():
+                return await s.pause(req.name)
+            case proto.ScheduleResume():
+                return await s.resume(req.name)
+            case proto.ScheduleTrigger():
+                return await s.trigger(req.name)
             case _:
                 assert_never(req)
 

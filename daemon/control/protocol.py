@@ -177,9 +177,39 @@ class Gc(Request, tag="gc"):
     keep_days: Annotated[float, msgspec.Meta(ge=0)] | None = None
 
 
+class Schedules(Request, tag="schedules"):
+    """List the schedules: spec, next and last fire, paused."""
+
+
+class ScheduleShow(Request, tag="schedule_show"):
+    """Return one schedule's settings, state and last fires."""
+
+    name: str
+
+
+class SchedulePause(Request, tag="schedule_pause"):
+    """Stop a schedule firing until resumed (kept across restarts)."""
+
+    name: str
+
+
+class ScheduleResume(Request, tag="schedule_resume"):
+    """Let a paused schedule fire again; what it missed follows its catch-up policy."""
+
+    name: str
+
+
+class ScheduleTrigger(Request, tag="schedule_trigger"):
+    """Start a schedule's workflow now, once (id `<schedule>:manual:<ISO now>`)."""
+
+    name: str
+
+
+ScheduleRequest = Schedules | ScheduleShow | SchedulePause | ScheduleResume | ScheduleTrigger
 AnyRequest = (
     Ping | Start | Send | List | Show | History | Cancel | Logs | Reload | Backup
     | Graph | Lint | Goto | Edit | Undo | Retry | Resume | ResumeAll | Gc
+    | Schedules | ScheduleShow | SchedulePause | ScheduleResume | ScheduleTrigger
 )  # fmt: skip
 #: Each op's request type.
 REQUESTS: dict[str, type[AnyRequest]] = {t.__struct_config__.tag: t for t in AnyRequest.__args__}

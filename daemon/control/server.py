@@ -15,7 +15,7 @@ import structlog
 
 from daemon.control import protocol as proto
 from daemon.control import sockfile
-from daemon.control.dispatch import Backend, DaemonOps, Dispatcher, RepairTools
+from daemon.control.dispatch import Backend, DaemonOps, Dispatcher, RepairTools, ScheduleTools
 from daemon.control.protocol import encode, error
 from daemon.control.session import Dispatch, InFlight, Limits, Session
 from daemon.control.wire import Wire
@@ -36,13 +36,14 @@ async def serve(
     idle_timeout: float = 300.0,
     repairs: RepairTools | None = None,
     ops: DaemonOps | None = None,
+    schedules: ScheduleTools | None = None,
     task_status: anyio.abc.TaskStatus[Any] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the control protocol until cancelled; remove the socket file we created on exit.
 
     Reports the `Server` as started, whose `configure` changes limits live.
     """
-    server = Server(Dispatcher(backend, repairs=repairs, ops=ops))
+    server = Server(Dispatcher(backend, repairs=repairs, ops=ops, schedules=schedules))
     server.configure(
         allowed_uids=allowed_uids,
         allowed_groups=allowed_groups,

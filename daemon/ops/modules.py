@@ -7,8 +7,9 @@ import importlib.util
 import sys
 from types import ModuleType
 
+from daemon.core.schedule import Schedule
 from daemon.core.workflow import Workflow, collect
-from daemon.errors import ConfigError
+from daemon.errors import BadRequest, ConfigError, ValidationError
 from daemon.service.config import Config
 
 Registry = dict[str, type[Workflow]]
@@ -86,3 +87,35 @@ def restore(old: dict[str, ModuleType | None]) -> None:
             sys.modules.pop(name, None)
         else:
             sys.modules[name] = module
+
+
+def schedules_of(cfg: Config, registry: Registry) -> dict[str, Schedule]:
+    """Collect the module-level `Schedule`s of the imported workflow modules, checked.
+
+    Reads the modules imported now under the configured names: at start the ones
+    `load_registry` imported, on reload the fresh ones of `import_fresh`. A duplicate name, an
+    unknown workflow type or an input the type refuses raises ValidationError naming it.
+    """
+    found: dict[str, tuple[Schedule, str]] = {}
+    for module_name in cfg.workflows.modules:
+        module = sys.modules.get(module_name)
+        for obj in vars(module).values() if module is not None else ():
+            if not isinstance(obj, Schedule):
+                continue
+            seen = found.get(obj.name)
+            if seen is not None and seen[0] is not obj:
+                raise ValidationError(
+                    f"two schedules are named {obj.name!r}: in {seen[1]} and {module_name}"
+                )
+            cls = registry.get(obj.workflow)
+            if cls is None:
+                known = ", ".join(sorted(registry)) or "none"
+                raise ValidationError(
+                    f"schedule {obj.name!r}: no workflow type {obj.workflow!r} (known: {known})"
+                )
+            try:
+                cls.from_input(obj.input)
+            except BadRequest as e:
+                raise ValidationError(f"schedule {obj.name!r}: {e}") from None
+            found.setdefault(obj.name, (obj, module_name))
+    return {name: s for name, (s, _) in found.items()}

@@ -13,10 +13,11 @@ import msgspec
 import structlog
 
 from daemon.core.compat import Registry, blockers
+from daemon.core.schedule import Schedule
 from daemon.core.state import FINAL_STATUSES, State
 from daemon.core.workflow import Workflow, fill_defaults
 from daemon.errors import WorkflowdError
-from daemon.ops.modules import import_fresh, restore
+from daemon.ops.modules import import_fresh, restore, schedules_of
 from daemon.runtime.cache import Cache
 from daemon.runtime.settings import Settings
 from daemon.service.config import Config, load_config
@@ -99,6 +100,8 @@ class Reloader:
         self._refit = refit
         #: Called with the new config once a reload is accepted (the control socket's limits).
         self.on_config: Callable[[Config], None] | None = None
+        #: Called with the new code's schedules once a reload is accepted.
+        self.on_schedules: Callable[[dict[str, Schedule]], None] | None = None
         self._lock = anyio.Lock()
 
     async def reload(self) -> dict[str, Any]:
@@ -115,6 +118,12 @@ class Reloader:
             cfg = load_config(self.cfg.source)
             registry, old = import_fresh(cfg)
         except WorkflowdError as e:
+            log.error("reload_refused", error=str(e))
+            return {"reloaded": False, "error": str(e), "blocked": []}
+        try:
+            schedules = schedules_of(cfg, registry)
+        except WorkflowdError as e:
+            restore(old)
             log.error("reload_refused", error=str(e))
             return {"reloaded": False, "error": str(e), "blocked": []}
         blocked: dict[str, dict[str, Any]] = {}
@@ -152,6 +161,8 @@ class Reloader:
             still = []
         if still:
             log.warning("reload_left_incompatible", count=len(still), held=still[:MAX_LISTED])
+        if self.on_schedules is not None:
+            self.on_schedules(schedules)
         return {
             "reloaded": True,
             "workflows": sorted(registry),

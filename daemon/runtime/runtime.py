@@ -6,7 +6,7 @@ import builtins
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Protocol
 
@@ -28,9 +28,11 @@ from daemon.runtime.recovery import Recovery
 from daemon.runtime.scheduler import Hold, Scheduler
 from daemon.runtime.settings import Settings
 from daemon.runtime.work import Item, Reply
-from daemon.store.base import Store, WorkflowRow
+from daemon.store.base import History, Store, WorkflowRow
 
 log = structlog.get_logger()
+#: Writes a new workflow's row (and whatever must commit with it); False if the id exists.
+Create = Callable[[WorkflowRow, History], Awaitable[bool]]
 
 
 class LogSource(Protocol):
@@ -186,9 +188,18 @@ class Runtime:
     # -- the API the control socket calls ---------------------------------------------------
 
     async def start(
-        self, workflow: str, workflow_id: str | None = None, input: dict[str, Any] | None = None
+        self,
+        workflow: str,
+        workflow_id: str | None = None,
+        input: dict[str, Any] | None = None,
+        *,
+        create: Create | None = None,
     ) -> dict[str, Any]:
-        """Create a workflow and schedule it; starting an existing id returns it unchanged."""
+        """Create a workflow and schedule it; starting an existing id returns it unchanged.
+
+        `create` writes the new row instead of `store.create` (a schedule commits its own
+        bookkeeping in the same transaction); it returns False if the id exists.
+        """
         self._check_open()
         cls = self.cache.workflow_type(workflow)
         wid = workflow_id or uuid.uuid4().hex
@@ -204,7 +215,7 @@ class Runtime:
             created_at=now,
             updated_at=now,
         )
-        if not await self.store.create(row, history=[("started", {"input": input or {}})]):
+        if not await (create or self.store.create)(row, [("started", {"input": input or {}})]):
             existing = await self.store.get(wid)
             if existing is None:  # deleted in between; vanishingly rare
                 raise Conflict(f"workflow {wid!r} changed while starting; try again")
@@ -339,6 +350,14 @@ class Runtime:
             raise WorkflowNotFound(f"no workflow {workflow_id!r}")
         rows = await self.store.history(workflow_id, limit=limit)
         return [{"at": r.at, "kind": r.kind, **r.detail} for r in rows]
+
+    async def status_of(self, workflow_id: str) -> str | None:
+        """Return a workflow's status (from memory when loaded), or None if there is none."""
+        loaded = self.cache.get(workflow_id)
+        if loaded is not None:
+            return loaded.state.status.value
+        row = await self.store.get(workflow_id)
+        return row.status if row is not None else None
 
     async def counts(self) -> dict[str, int]:
         """Count workflows by status."""

@@ -63,6 +63,8 @@ class Scheduler:
         self.stopping = False
         self._idle = anyio.Event()
         self._idle.set()
+        #: Told each workflow whose actor exited, with its status then: schedules wait on it.
+        self.on_exit: Callable[[str, str | None], None] | None = None
 
     def submit(self, workflow_id: str, item: Item) -> None:
         """Queue work for a workflow, starting its actor if it has none."""
@@ -87,6 +89,9 @@ class Scheduler:
         finally:
             del self._actors[actor.workflow_id]
             actor.done.set()
+            if self.on_exit is not None:
+                loaded = self._cache.get(actor.workflow_id)
+                self.on_exit(actor.workflow_id, loaded.state.status.value if loaded else None)
             if not self._actors:
                 self._idle.set()
 

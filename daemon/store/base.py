@@ -56,6 +56,35 @@ class InboxRow:
     created_at: float
 
 
+@dataclass(slots=True)
+class ScheduleRow:
+    """One schedule's durable state: the nominal time it handled last, pause, buffered fire."""
+
+    name: str
+    #: Every nominal time up to this one was fired or given up.
+    last_nominal: float
+    paused: bool = False
+    #: A nominal time held back until the schedule's running workflow ends (buffer_one).
+    buffered: float | None = None
+    last_workflow_id: str | None = None
+    last_fire_at: float | None = None
+
+
+@dataclass(slots=True)
+class FireRecord:
+    """One fire, skip or catch-up of a schedule, as `workflowctl schedule show` lists it."""
+
+    at: float
+    #: "fired", "caught_up", "manual", "buffered" or "skipped".
+    kind: str
+    nominal: float | None = None
+    workflow_id: str | None = None
+    #: Why it was skipped or held back ("missed", "overlap"), or started ("buffered").
+    reason: str | None = None
+    #: How many nominal times a "skipped" record stands for.
+    count: int = 1
+
+
 class Store(Protocol):
     """Durable workflows, their history and the inbox of acknowledged callbacks."""
 
@@ -143,4 +172,37 @@ class Store(Protocol):
 
     async def counts(self) -> dict[str, int]:
         """Count workflows by status."""
+        ...
+
+    async def schedules_load(self, names: Sequence[str], now: float) -> builtins.list[ScheduleRow]:
+        """Return the named schedules' state; a new one starts as handled up to `now`."""
+        ...
+
+    async def schedule_fire(
+        self,
+        name: str,
+        row: WorkflowRow,
+        history: History = (),
+        *,
+        last_nominal: float | None = None,
+        clear_buffered: bool = False,
+        records: Sequence[FireRecord] = (),
+    ) -> bool:
+        """Create a schedule's workflow and advance the schedule at once; False if the id exists."""
+        ...
+
+    async def schedule_note(
+        self,
+        name: str,
+        *,
+        last_nominal: float | None = None,
+        paused: bool | None = None,
+        buffered: float | None = None,
+        records: Sequence[FireRecord] = (),
+    ) -> None:
+        """Advance, pause, resume or buffer a schedule and record why, at once."""
+        ...
+
+    async def schedule_fires(self, name: str, *, limit: int = 100) -> builtins.list[FireRecord]:
+        """Return a schedule's kept fires and skips, oldest first."""
         ...

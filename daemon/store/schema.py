@@ -51,6 +51,22 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX inbox_workflow ON inbox (workflow_id);
     """,
+    """
+    CREATE TABLE schedules (
+        name TEXT PRIMARY KEY,
+        last_nominal REAL NOT NULL,  -- every nominal time up to this one is handled (fired or given up)
+        paused INTEGER NOT NULL DEFAULT 0,
+        buffered REAL,  -- a nominal time held back until the running workflow ends (buffer_one)
+        last_workflow_id TEXT, last_fire_at REAL,
+        fire_seq INTEGER NOT NULL DEFAULT 0,  -- per-schedule counter: keeps the last fires by a range delete
+        created_at REAL NOT NULL
+    );
+    CREATE TABLE schedule_fires (
+        schedule TEXT NOT NULL, seq INTEGER NOT NULL, at REAL NOT NULL, kind TEXT NOT NULL,
+        nominal REAL, workflow_id TEXT, reason TEXT, count INTEGER NOT NULL DEFAULT 1,
+        PRIMARY KEY (schedule, seq)
+    );
+    """,
 ]
 
 INSERT_WORKFLOW = (
@@ -70,6 +86,18 @@ ADD_HISTORY = (
 )
 INSERT_HISTORY = "INSERT INTO history (workflow_id, seq, at, kind, detail) VALUES (?, ?, ?, ?, ?)"
 TRIM_HISTORY = "DELETE FROM history WHERE workflow_id = ? AND seq <= ?"
+SCHEDULE_COLS = "name, last_nominal, paused, buffered, last_workflow_id, last_fire_at"
+#: Fires (and skips) kept per schedule for `workflowctl schedule show`.
+FIRES_KEPT = 100
+ADD_SCHEDULE = (
+    "INSERT INTO schedules (name, last_nominal, created_at) VALUES (?, ?, ?)"
+    " ON CONFLICT (name) DO NOTHING"
+)
+INSERT_FIRE = (
+    "INSERT INTO schedule_fires (schedule, seq, at, kind, nominal, workflow_id, reason, count)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
+TRIM_FIRES = "DELETE FROM schedule_fires WHERE schedule = ? AND seq <= ?"
 
 _encoder = msgspec.json.Encoder()
 Entries = Sequence[tuple[float, str, str]]

@@ -18,17 +18,27 @@ from daemon.clock import get_clock
 from daemon.errors import (
     ConfigError,
     Conflict,
+    ScheduleNotFound,
     StoreUnusable,
     Unavailable,
     WorkflowNotFound,
 )
 from daemon.store import schema
-from daemon.store.base import History, HistoryRow, InboxRow, WorkflowRow
+from daemon.store.base import (
+    FireRecord,
+    History,
+    HistoryRow,
+    InboxRow,
+    ScheduleRow,
+    WorkflowRow,
+)
 from daemon.store.schema import FINAL, Entries
 from daemon.store.writer import GroupWriter
 
 T = TypeVar("T")
 log = structlog.get_logger(__name__)
+#: A schedule's fire records are trimmed back to FIRES_KEPT each time this many more are added.
+TRIM_EVERY = 16
 
 
 class SQLiteStore:
@@ -298,3 +308,114 @@ class SQLiteStore:
         """Return how many workflows are in each status."""
         rows = await self._read("SELECT status, COUNT(*) FROM workflows GROUP BY status")
         return {status: n for status, n in rows}
+
+    # -- schedules --------------------------------------------------------------------------
+
+    async def schedules_load(self, names: Sequence[str], now: float) -> builtins.list[ScheduleRow]:
+        """Return the named schedules' state, adding the new ones as handled up to `now`."""
+        added = [(name, now, now) for name in names]
+        wanted = builtins.list(names)
+
+        def apply(conn: sqlite3.Connection) -> builtins.list[Any]:
+            conn.executemany(schema.ADD_SCHEDULE, added)
+            rows = []
+            for i in range(0, len(wanted), 500):  # under SQLite's limit of bound parameters
+                chunk = wanted[i : i + 500]
+                marks = ", ".join("?" * len(chunk))
+                sql = f"SELECT {schema.SCHEDULE_COLS} FROM schedules WHERE name IN ({marks})"
+                rows += conn.execute(sql, chunk).fetchall()
+            return rows
+
+        rows = await self._writes.submit(apply)
+        return [ScheduleRow(n, last, bool(p), b, w, f) for n, last, p, b, w, f in rows]
+
+    def _advance(
+        self,
+        conn: sqlite3.Connection,
+        name: str,
+        sets: dict[str, Any],
+        records: Sequence[FireRecord],
+    ) -> None:
+        """Update a schedule's row (`column = ?` each), append its records, drop the oldest."""
+        columns = [f"{c} = MAX({c}, ?)" if c == "last_nominal" else f"{c} = ?" for c in sets]
+        sql = (
+            f"UPDATE schedules SET {', '.join([*columns, 'fire_seq = fire_seq + ?'])}"
+            " WHERE name = ? RETURNING fire_seq"
+        )
+        row = conn.execute(sql, (*sets.values(), len(records), name)).fetchone()
+        if row is None:
+            raise ScheduleNotFound(f"no schedule {name!r}")
+        first = row[0] - len(records) + 1
+        conn.executemany(
+            schema.INSERT_FIRE,
+            [
+                (name, first + i, r.at, r.kind, r.nominal, r.workflow_id, r.reason, r.count)
+                for i, r in enumerate(records)
+            ],
+        )
+        # Trimmed every TRIM_EVERY records, not on each: a fire then costs one statement less.
+        if row[0] > schema.FIRES_KEPT and (first - 1) // TRIM_EVERY != row[0] // TRIM_EVERY:
+            conn.execute(schema.TRIM_FIRES, (name, row[0] - schema.FIRES_KEPT))
+
+    async def schedule_fire(
+        self,
+        name: str,
+        row: WorkflowRow,
+        history: History = (),
+        *,
+        last_nominal: float | None = None,
+        clear_buffered: bool = False,
+        records: Sequence[FireRecord] = (),
+    ) -> bool:
+        """Insert the workflow and advance its schedule in one transaction (a crash keeps both
+        or neither); an existing id is left as is, the schedule still advances. True if inserted.
+        """
+        now = get_clock().now()
+        entries = [(now, kind, schema.to_json(detail)) for kind, detail in history]
+        params = (
+            row.id, row.name, row.status, row.data, row.state, row.error, row.attempt,
+            row.next_run_at, row.created_at or now, row.updated_at or now, len(entries),
+        )  # fmt: skip
+        sets: dict[str, Any] = {"last_workflow_id": row.id, "last_fire_at": now}
+        if last_nominal is not None:
+            sets["last_nominal"] = last_nominal
+        if clear_buffered:
+            sets["buffered"] = None
+
+        def apply(conn: sqlite3.Connection) -> bool:
+            created = conn.execute(schema.INSERT_WORKFLOW, params).rowcount == 1
+            if created and entries:
+                self._append(conn, row.id, len(entries), entries)
+            self._advance(conn, name, sets, records)
+            return created
+
+        created: bool = await self._writes.submit(apply)
+        return created
+
+    async def schedule_note(
+        self,
+        name: str,
+        *,
+        last_nominal: float | None = None,
+        paused: bool | None = None,
+        buffered: float | None = None,
+        records: Sequence[FireRecord] = (),
+    ) -> None:
+        """Advance, pause, resume or buffer a schedule and append its records, atomically."""
+        sets: dict[str, Any] = {}
+        if last_nominal is not None:
+            sets["last_nominal"] = last_nominal
+        if paused is not None:
+            sets["paused"] = int(paused)
+        if buffered is not None:
+            sets["buffered"] = buffered
+        await self._writes.submit(lambda conn: self._advance(conn, name, sets, records))
+
+    async def schedule_fires(self, name: str, *, limit: int = 100) -> builtins.list[FireRecord]:
+        """Return a schedule's newest `limit` kept fires and skips, oldest first."""
+        rows = await self._read(
+            "SELECT at, kind, nominal, workflow_id, reason, count FROM schedule_fires"
+            " WHERE schedule = ? ORDER BY seq DESC LIMIT ?",
+            (name, limit),
+        )
+        return [FireRecord(*r) for r in reversed(rows)]

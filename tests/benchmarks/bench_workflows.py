@@ -66,3 +66,16 @@ class Alarm(Workflow):
             Wait("sleep", On("ring", Timer(at=self.at))),
             Step("measure", self.measure),
         )
+
+
+@dataclass
+class Stamp(Workflow):
+    """Records when its first step ran (epoch seconds): a scheduled start, end to end."""
+
+    started_at: float = 0.0
+
+    async def stamp(self) -> None:
+        self.started_at = time.time()
+
+    def definition(self) -> Section:
+        return S(Step("stamp", self.stamp))

@@ -26,6 +26,7 @@ BENCHMARKS: list[str] = [
     "bench_runtime",
     "bench_control",
     "bench_timers",
+    "bench_schedules",
     "bench_torture",
     "bench_fuzz",
 ]

@@ -164,6 +164,8 @@ class TestCodes:
             "reload",
             "backup",
             *("graph", "lint", "goto", "edit", "undo", "retry", "resume", "resume-all", "gc"),
+            *("schedules", "schedule_show", "schedule_pause", "schedule_resume"),
+            "schedule_trigger",
         } == OPS
 
     def test_decode_response(self) -> None:

@@ -1,0 +1,272 @@
+"""What one schedule's fire does: give missed times up, apply the overlap policy, start.
+
+The start commits the schedule's bookkeeping in the workflow's own transaction (the runtime's
+start path with a `create` of ours), so a crash never loses or doubles a fire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import structlog
+
+from daemon.clock import Clock
+from daemon.core.schedule import Plan, Schedule, iso, manual_id, plan, workflow_id
+from daemon.core.state import FINAL_STATUSES
+from daemon.errors import WorkflowdError
+from daemon.store.base import FireRecord, History, Store, WorkflowRow
+
+log = structlog.get_logger()
+FINAL = frozenset(s.value for s in FINAL_STATUSES)
+#: One schedule starts at most one workflow per this: catch-ups and late fires are spread out.
+SPACING_S = 0.2
+
+
+class Start(Protocol):
+    """The runtime's start path, with the write that commits the schedule's bookkeeping."""
+
+    async def __call__(
+        self,
+        workflow: str,
+        workflow_id: str | None = None,
+        input: dict[str, Any] | None = None,
+        *,
+        create: Callable[[WorkflowRow, History], Awaitable[bool]] | None = None,
+    ) -> dict[str, Any]: ...
+
+
+#: Cancels a workflow (the runtime's cancel).
+Cancel = Callable[[str], Awaitable[Any]]
+#: Returns a workflow's status, or None if it does not exist.
+Status = Callable[[str], Awaitable[str | None]]
+#: Tells whether a workflow is running now (has an actor).
+Running = Callable[[str], bool]
+
+
+def never(*_: object) -> bool:
+    """Return False (the default for `running` and `held`)."""
+    return False
+
+
+@dataclass(eq=False)
+class Entry:
+    """One schedule's live state; its durable part mirrors the store's row."""
+
+    schedule: Schedule
+    last: float
+    #: Nominal times before this were missed (the daemon, or this schedule, was not running).
+    live_since: float
+    paused: bool = False
+    buffered: float | None = None
+    last_workflow_id: str | None = None
+    last_fire_at: float | None = None
+    #: The heap entry that counts; older ones are skipped when popped.
+    token: int = -1
+    #: Set from the moment a fire is handed to a task until it is done.
+    busy: bool = False
+    #: The last workflow was seen ending (its actor exited in a final status): no need to ask.
+    last_ended: bool = False
+    held: bool = False
+    #: When it last started a workflow (the spacing between starts).
+    fired_at: float = -math.inf
+    #: Its buffered fire may start: the workflow it waited for has stopped running.
+    release_due: bool = False
+    failures: int = 0
+    # asyncio's lock, not anyio's: taken once per fire, and uncontended it never yields.
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def plan(self, now: float) -> Plan:
+        """Return what the schedule does next, as of `now`."""
+        return plan(self.schedule, last=self.last, now=now, live_since=self.live_since)
+
+    def due_at(self, p: Plan, spacing_s: float) -> float:
+        """Return when plan `p` is carried out: a start waits `spacing_s` after the last one."""
+        if p.nominal is None:
+            return p.at  # giving missed times up starts nothing: no spacing
+        return max(p.at, self.fired_at + spacing_s)
+
+
+class Firer:
+    """Carries out fires; remembers which workflow each schedule waits for."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        clock: Clock,
+        start: Start,
+        cancel: Cancel,
+        status: Status,
+        running: Running = never,
+        spacing_s: float = SPACING_S,
+    ) -> None:
+        self._store, self._clock = store, clock
+        self._start, self._cancel, self._status, self._running = start, cancel, status, running
+        self.spacing_s = spacing_s
+        #: A running workflow id -> the schedule whose buffered fire waits for it to end.
+        self._waiting: dict[str, Entry] = {}
+        #: Each schedule's last workflow id -> that schedule.
+        self._last_of: dict[str, Entry] = {}
+
+    def adopt(self, e: Entry) -> None:
+        """Track a schedule loaded from the store."""
+        if e.last_workflow_id is not None:
+            self._last_of[e.last_workflow_id] = e
+
+    def drop(self, e: Entry) -> None:
+        """Stop tracking a schedule that is no longer registered."""
+        self._last_of.pop(e.last_workflow_id or "", None)
+
+    def exited(self, workflow_id: str, status: str | None) -> Entry | None:
+        """Note that a workflow's actor exited; return the schedule whose buffered fire may go."""
+        last = self._last_of.get(workflow_id)
+        if last is not None and last.last_workflow_id == workflow_id:
+            last.last_ended = status in FINAL
+        e = self._waiting.pop(workflow_id, None)
+        if e is not None:
+            e.release_due = True
+        return e
+
+    async def act(self, e: Entry) -> None:
+        """Do what the plan says now: give missed times up, skip or buffer on overlap, fire."""
+        if e.paused:
+            return
+        if e.release_due:
+            await self._release(e)
+            e.release_due = False
+        s, now = e.schedule, self._clock.now()
+        p = e.plan(now)  # planned again under the lock: nothing moved it meanwhile
+        if e.due_at(p, self.spacing_s) > now:
+            return
+        missed: list[FireRecord] = []
+        if p.given_up:
+            missed.append(
+                FireRecord(
+                    now, "skipped", nominal=p.given_up_until, reason="missed", count=p.given_up
+                )
+            )
+            log.info(
+                "schedule_skipped",
+                schedule=s.name,
+                reason="missed",
+                count=p.given_up,
+                more=p.capped or None,
+            )
+        if p.nominal is None:
+            assert p.given_up_until is not None
+            await self._store.schedule_note(s.name, last_nominal=p.given_up_until, records=missed)
+            e.last = max(e.last, p.given_up_until)
+            return
+        n = p.nominal
+        running = await self._unfinished(e) if s.overlap != "allow" else None
+        if running is not None and s.overlap == "cancel_other":
+            await self._cancel_other(e, running)
+        elif running is not None:
+            buffer = s.overlap == "buffer_one" and e.buffered is None
+            record = FireRecord(
+                now,
+                "buffered" if buffer else "skipped",
+                nominal=n,
+                reason=f"overlap: {running} still running",
+            )
+            await self._store.schedule_note(
+                s.name, last_nominal=n, buffered=n if buffer else None, records=[*missed, record]
+            )
+            e.last = max(e.last, n)
+            if buffer:
+                e.buffered = n
+                self._waiting[running] = e
+            event = "schedule_buffered" if buffer else "schedule_skipped"
+            log.info(event, schedule=s.name, reason="overlap", nominal=iso(n), running=running)
+            return
+        await self.fire(e, n, "caught_up" if p.catch_up else "fired", missed)
+
+    async def _unfinished(self, e: Entry) -> str | None:
+        """Return the schedule's previous workflow if it has not ended yet."""
+        wid = e.last_workflow_id
+        if wid is None or (e.last_ended and not self._running(wid)):
+            return None
+        status = await self._status(wid)
+        return wid if status is not None and status not in FINAL else None
+
+    async def _cancel_other(self, e: Entry, running: str) -> None:
+        try:
+            await self._cancel(running)
+        except WorkflowdError as ex:  # it ended (or was deleted) meanwhile: nothing to cancel
+            log.info(
+                "schedule_cancel_skipped", schedule=e.schedule.name, running=running, error=str(ex)
+            )
+            return
+        log.info("schedule_cancelled_other", schedule=e.schedule.name, running=running)
+
+    async def _release(self, e: Entry) -> None:
+        """Start the buffered fire if the run it waited for has ended."""
+        if e.buffered is None:
+            return
+        running = await self._unfinished(e)
+        if running is not None:
+            self._waiting[running] = e
+            return
+        await self.fire(e, e.buffered, "fired", [], from_buffer=True)
+
+    async def fire(
+        self,
+        e: Entry,
+        nominal: float | None,
+        kind: str,
+        records: list[FireRecord],
+        *,
+        from_buffer: bool = False,
+    ) -> dict[str, Any]:
+        """Start the schedule's workflow; the schedule's row commits with the workflow's."""
+        s, now = e.schedule, self._clock.now()
+        wid = manual_id(s.name, now) if nominal is None else workflow_id(s.name, nominal)
+        fire = FireRecord(
+            now, kind, nominal=nominal, workflow_id=wid, reason="buffered" if from_buffer else None
+        )
+        advance = nominal if kind != "manual" and not from_buffer else None
+        about: dict[str, Any] = {"schedule": s.name}
+        if nominal is not None:
+            about["nominal"] = iso(nominal)
+        committed = False
+
+        async def create(row: WorkflowRow, history: History) -> bool:
+            nonlocal committed
+            created = await self._store.schedule_fire(
+                s.name,
+                row,
+                [(kind_, {**detail, **about}) for kind_, detail in history],
+                last_nominal=advance,
+                clear_buffered=from_buffer,
+                records=[*records, fire],
+            )
+            committed = True
+            return created
+
+        try:
+            result = await self._start(s.workflow, wid, s.input, create=create)
+        finally:
+            if committed:  # even if the start failed after the write, the fire is spent
+                if advance is not None:
+                    e.last = max(e.last, advance)
+                if from_buffer:
+                    e.buffered = None
+                if e.last_workflow_id is not None:
+                    self._last_of.pop(e.last_workflow_id, None)
+                e.last_workflow_id, e.last_fire_at, e.fired_at = wid, now, now
+                e.last_ended, self._last_of[wid] = False, e
+        late = round(now - nominal, 3) if nominal is not None else None
+        log.info(
+            "schedule_fired",
+            schedule=s.name,
+            workflow_id=wid,
+            workflow=s.workflow,
+            kind=kind,
+            late_s=late,
+            created=result.get("created"),
+        )
+        return result

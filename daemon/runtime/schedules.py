@@ -1,0 +1,343 @@
+"""The schedules' firing loop: one heap of next fires, the tasks that carry them out, and the
+control socket's list, show, pause, resume and trigger.
+
+It gets its collaborators explicitly (the store, the clock, the runtime's start and cancel, a
+workflow's status, whether `--hold` holds) and never sees the runtime. What to do next is
+decided by `daemon.core.schedule.plan`; what a fire does is `daemon.runtime.fires`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import heapq
+import itertools
+import math
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import anyio
+import anyio.abc
+import structlog
+
+from daemon.clock import Clock
+from daemon.core.schedule import Schedule, plan
+from daemon.errors import ScheduleNotFound
+from daemon.runtime.fires import SPACING_S, Cancel, Entry, Firer, Running, Start, Status, never
+from daemon.store.base import Store
+
+log = structlog.get_logger()
+#: A wake-up later than this, while the wall clock ran ahead of the monotonic one by as much,
+#: means the machine slept or the clock jumped: what came due meanwhile was missed, and follows
+#: each schedule's catch-up policy. (A loop that is merely busy falls behind on both clocks;
+#: its fires are late, not missed.)
+LATE_GRACE_S = 2.0
+#: The loop reads the wall clock at least this often: its sleeps are monotonic, so a suspend
+#: or a clock change would otherwise go unseen until a long sleep ends.
+MAX_SLEEP_S = 60.0
+#: While `workflowd --hold` holds, each schedule looks again this often.
+HOLD_RECHECK_S = 1.0
+#: Tasks that carry out fires, started as needed and then kept: many fires due at once go to
+#: the store together (one group commit), and handing one to a waiting task costs a fraction
+#: of starting a task for it.
+MAX_WORKERS = 4096
+RETRY_INITIAL_S, RETRY_MAX_S = 1.0, 60.0
+
+
+class Schedules:
+    """Fires the registered schedules; the control socket lists, pauses, resumes and triggers."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        clock: Clock,
+        start: Start,
+        cancel: Cancel,
+        status: Status,
+        running: Running = never,
+        held: Callable[[], bool] = never,
+        schedules: Mapping[str, Schedule] | None = None,
+        grace_s: float = LATE_GRACE_S,
+        spacing_s: float = SPACING_S,
+    ) -> None:
+        self._store, self._clock, self._status, self._held = store, clock, status, held
+        self._grace = grace_s
+        self._fires = Firer(
+            store=store,
+            clock=clock,
+            start=start,
+            cancel=cancel,
+            status=status,
+            running=running,
+            spacing_s=spacing_s,
+        )
+        self._wanted: dict[str, Schedule] = dict(schedules or {})
+        self._changed = True
+        self._entries: dict[str, Entry] = {}
+        self._heap: list[tuple[float, int, str]] = []
+        self._seq = itertools.count()
+        self._ready: asyncio.Queue[Entry] = asyncio.Queue()
+        self._workers = self._idle = 0
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._nap_scope: anyio.CancelScope | None = None
+        self._nap_until = math.inf
+        #: The wall and monotonic clocks when the loop last woke.
+        self._mark = (clock.now(), time.monotonic())
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Load the schedules' state, report started, then fire them until cancelled."""
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            await self._sync()
+            task_status.started()
+            try:
+                await self._loop()
+            finally:
+                self._tg = None
+
+    def configure(self, schedules: Mapping[str, Schedule]) -> None:
+        """Use these schedules from now on (a reload); a removed one keeps its stored state."""
+        self._wanted, self._changed = dict(schedules), True
+        self._wake()
+
+    def workflow_exited(self, workflow_id: str, status: str | None = None) -> None:
+        """Note that a workflow's actor exited (in `status`): a buffered fire may wait for it."""
+        e = self._fires.exited(workflow_id, status)
+        if e is not None and self._entries.get(e.schedule.name) is e:
+            self._push(e, self._clock.now())
+
+    async def _loop(self) -> None:
+        failures = 0
+        while True:
+            if self._changed:
+                try:
+                    await self._sync()
+                    failures = 0
+                except Exception as ex:  # noqa: BLE001 - e.g. disk full: retried, never fatal
+                    failures += 1
+                    self._changed = True
+                    delay = _backoff(failures)
+                    log.error(
+                        "schedules_load_failed",
+                        error=f"{type(ex).__name__}: {ex}",
+                        retry_in_s=delay,
+                    )
+                    await self._nap(self._clock.now() + delay)
+                    continue
+            now = self._clock.now()
+            while self._heap and self._heap[0][0] <= now:
+                _, token, name = heapq.heappop(self._heap)
+                e = self._entries.get(name)
+                if e is not None and e.token == token:
+                    self._step(e, now)
+            deadline = min(self._heap[0][0] if self._heap else math.inf, now + MAX_SLEEP_S)
+            await self._nap(deadline)
+
+    async def _sync(self) -> None:
+        """Load the state of schedules new to this loop; drop the ones no longer wanted."""
+        self._changed = False
+        wanted = self._wanted
+        now = self._clock.now()
+        new = [name for name in wanted if name not in self._entries]
+        rows = {r.name: r for r in await self._store.schedules_load(new, now)} if new else {}
+        for name in [n for n in self._entries if n not in wanted]:
+            self._fires.drop(self._entries.pop(name))
+        for name, s in wanted.items():
+            e = self._entries.get(name)
+            if e is None:
+                r = rows[name]
+                e = self._entries[name] = Entry(
+                    s,
+                    r.last_nominal,
+                    live_since=now,
+                    paused=r.paused,
+                    buffered=r.buffered,
+                    last_workflow_id=r.last_workflow_id,
+                    last_fire_at=r.last_fire_at,
+                    # Its running workflow may have ended while the daemon was down.
+                    release_due=r.buffered is not None,
+                )
+                self._fires.adopt(e)
+            e.schedule = s
+            self._push(e, now)
+        log.info("schedules_loaded", count=len(wanted), new=len(new))
+
+    def _push(self, e: Entry, at: float) -> None:
+        e.token = next(self._seq)
+        heapq.heappush(self._heap, (at, e.token, e.schedule.name))
+        if at < self._nap_until:
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._nap_scope is not None:
+            self._nap_scope.cancel()
+
+    async def _nap(self, deadline: float) -> None:
+        """Sleep until `deadline` or a wake-up; then notice a suspend or a clock jump."""
+        with anyio.CancelScope() as scope:
+            self._nap_scope, self._nap_until = scope, deadline
+            await self._clock.sleep_until(deadline)
+        self._nap_scope, self._nap_until = None, math.inf
+        now, mono = self._clock.now(), time.monotonic()
+        drift = (now - self._mark[0]) - (mono - self._mark[1])
+        self._mark = (now, mono)
+        if drift > self._grace and now - deadline > self._grace:
+            log.warning("schedules_clock_jumped", ahead_s=round(drift, 3))
+            for e in self._entries.values():
+                e.live_since = max(e.live_since, now)
+
+    def _step(self, e: Entry, now: float) -> None:
+        """Hand a due schedule to a task, or put it back for when it is due."""
+        if e.busy or e.paused:
+            return
+        if self._held():
+            e.held = True
+            self._push(e, now + HOLD_RECHECK_S)
+            return
+        if e.held:  # released from `--hold`: what came due meanwhile was missed
+            e.held, e.live_since = False, max(e.live_since, now)
+        at = e.due_at(e.plan(now), self._fires.spacing_s)
+        if at > now and not e.release_due:
+            self._push(e, at)
+            return
+        e.busy = True
+        self._ready.put_nowait(e)
+        if self._ready.qsize() > self._idle and self._workers < MAX_WORKERS:
+            assert self._tg is not None
+            self._workers += 1
+            self._tg.start_soon(self._worker)
+
+    async def _worker(self) -> None:
+        while True:
+            self._idle += 1
+            try:
+                e = await self._ready.get()
+            finally:
+                self._idle -= 1
+            await self._guarded(e)
+
+    async def _guarded(self, e: Entry) -> None:
+        """Act under the schedule's lock; a failure is logged and retried with backoff."""
+        try:
+            async with e.lock:
+                await self._fires.act(e)
+            e.failures = 0
+            self._push(e, self._clock.now())  # plan again at once
+        except Exception as ex:  # noqa: BLE001 - a failed fire is retried, never ends the loop
+            e.failures += 1
+            delay = _backoff(e.failures)
+            log.error(
+                "schedule_fire_failed",
+                schedule=e.schedule.name,
+                error=f"{type(ex).__name__}: {ex}",
+                retry_in_s=delay,
+            )
+            self._push(e, self._clock.now() + delay)
+        finally:
+            e.busy = False
+
+    # -- what the control socket calls ------------------------------------------------------
+
+    def _entry(self, name: str) -> Entry:
+        e = self._entries.get(name)
+        if e is None:
+            known = ", ".join(sorted(self._entries)) or "none"
+            raise ScheduleNotFound(f"no schedule {name!r} (known: {known})")
+        return e
+
+    async def list(self) -> builtins.list[dict[str, Any]]:
+        """Summarize every schedule, by name."""
+        return [await self._summary(self._entries[n]) for n in sorted(self._entries)]
+
+    async def show(self, name: str) -> dict[str, Any]:
+        """Return one schedule: its settings, its state and its last fires."""
+        e = self._entry(name)
+        s = e.schedule
+        fires = await self._store.schedule_fires(name)
+        return {
+            **await self._summary(e),
+            "cron": s.cron,
+            "every": s.every,
+            "input": s.input,
+            "catchup": s.catchup,
+            "catchup_window_s": s.catchup_window_s,
+            "jitter_s": s.jitter_s,
+            "overlap": s.overlap,
+            "last_nominal_at": e.last,
+            "buffered_at": e.buffered,
+            "fires": [
+                {
+                    "at": f.at,
+                    "kind": f.kind,
+                    "nominal_at": f.nominal,
+                    "workflow_id": f.workflow_id,
+                    "reason": f.reason,
+                    "count": f.count,
+                }
+                for f in fires
+            ],
+        }
+
+    async def _summary(self, e: Entry) -> dict[str, Any]:
+        s = e.schedule
+        status = await self._status(e.last_workflow_id) if e.last_workflow_id else None
+        return {
+            "name": s.name,
+            "workflow": s.workflow,
+            "spec": s.spec,
+            "tz": s.tz,
+            "next_fire_at": None if e.paused else self._next_at(e),
+            "last_fire_at": e.last_fire_at,
+            "last_workflow_id": e.last_workflow_id,
+            "last_status": status,
+            "paused": e.paused,
+        }
+
+    def _next_at(self, e: Entry) -> float | None:
+        now = self._clock.now()
+        p = e.plan(now)
+        if p.nominal is None:  # missed times are given up first, then this one starts
+            assert p.given_up_until is not None
+            p = plan(e.schedule, last=p.given_up_until, now=now, live_since=e.live_since)
+        at = e.due_at(p, self._fires.spacing_s)
+        at = max(at, now) if p.catch_up else at
+        return at if math.isfinite(at) else None
+
+    async def pause(self, name: str) -> dict[str, Any]:
+        """Stop firing a schedule (durably) until `resume`."""
+        e = self._entry(name)
+        async with e.lock:
+            if not e.paused:
+                await self._store.schedule_note(name, paused=True)
+                e.paused = True
+                log.info("schedule_paused", schedule=name)
+        return {"name": name, "paused": True}
+
+    async def resume(self, name: str) -> dict[str, Any]:
+        """Fire a paused schedule again; what it missed meanwhile follows its catch-up policy."""
+        e = self._entry(name)
+        async with e.lock:
+            if e.paused:
+                await self._store.schedule_note(name, paused=False)
+                now = self._clock.now()
+                e.paused, e.live_since = False, max(e.live_since, now)
+                log.info("schedule_resumed", schedule=name)
+                self._push(e, now)
+        return {"name": name, "paused": False}
+
+    async def trigger(self, name: str) -> dict[str, Any]:
+        """Start the schedule's workflow now, once, whatever its overlap policy or pause."""
+        e = self._entry(name)
+        async with e.lock:
+            result = await self._fires.fire(e, None, "manual", [])
+        return {"name": name, **result}
+
+
+def _backoff(failures: int) -> float:
+    return float(min(RETRY_INITIAL_S * 2 ** max(0, failures - 1), RETRY_MAX_S))

@@ -1,0 +1,122 @@
+"""Schedule benchmark: many `every=1` schedules in a real workflowd; how late their fires are.
+
+Each schedule (`overlap="allow"`) starts a `Stamp` workflow whose first (async) step stores
+`time.time()`. Two latenesses per fire, against its nominal time: `fire_late` when the firing
+loop handed the start to the store (the time in the fire's record), and `start_late` when the
+workflow's first step ran (the commit, the actor and the resume included). The daemon's CPU is
+read from /proc over the measured window and divided by the fires made meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from tests.helpers.harness import REPO
+
+from .common import bench_daemon, cpu_s, percentile, query
+
+SCHEDULES = 10_000
+EVERY_S = 1.0
+#: Nominal times measured: every fire of every schedule due in this many seconds.
+WINDOW_S = 5.0
+TARGET_P99_MS = 50.0
+#: Seconds without a window fire finishing after which the measurement ends with what it has.
+STALL_S = 30.0
+_MODULE = "bench_schedules_mod"
+_IN_WINDOW = (
+    " FROM schedule_fires f JOIN workflows w ON w.id = f.workflow_id"
+    " WHERE f.kind = 'fired' AND f.nominal BETWEEN ? AND ?"
+)
+
+
+def _write_module(folder: Path, n: int, every: float) -> None:
+    (folder / f"{_MODULE}.py").write_text(
+        "from daemon import Schedule\n\n"
+        # overlap="allow": a run still going when the next fire comes must not make it a skip
+        f"globals().update({{f's{{i}}': Schedule(f'b{{i:05d}}', 'Stamp', every={every},"
+        " overlap='allow')"
+        f" for i in range({n})}})\n"
+    )
+
+
+async def _until_done(db: Path, window: tuple[float, float], want: int) -> None:
+    """Wait until `want` fires of the window have finished, or nothing moved for STALL_S."""
+    finished = f"SELECT COUNT(*) {_IN_WINDOW} AND w.status = 'Finished'"
+    seen, moved = -1, time.monotonic()
+    while True:
+        ((count,),) = query(db, finished, window)
+        if count >= want:
+            return
+        if count != seen:
+            seen, moved = count, time.monotonic()
+        elif time.monotonic() - moved > STALL_S:
+            return  # reported as `fires` below, fewer than the window holds
+        await anyio.sleep(0.05)
+
+
+def _figure(metric: str, value: float, target: float | None, **context: Any) -> dict[str, Any]:
+    unit = "ms" if metric.endswith("_ms") else "us" if metric.endswith("_us") else ""
+    return {"bench": "schedules", "metric": metric, "value": value, "unit": unit,
+            "target": target, "mode": "workflowd", **context}  # fmt: skip
+
+
+async def measure(
+    tmp: Path,
+    schedules: int = SCHEDULES,
+    every_s: float = EVERY_S,
+    window_s: float = WINDOW_S,
+    label: str = "",
+) -> list[dict[str, Any]]:
+    """Run `schedules` schedules every `every_s`; measure the fires due in `window_s` seconds."""
+    await anyio.Path(tmp).mkdir(parents=True, exist_ok=True)
+    _write_module(tmp, schedules, every_s)
+    workflows = {
+        "paths": [str(REPO), str(tmp)],
+        "modules": ["tests.benchmarks.bench_workflows", _MODULE],
+    }
+    async with bench_daemon(tmp, workflows=workflows) as d:
+        assert d.proc is not None
+        db = d.tmp / "wd.db"
+        first = math.ceil((time.time() + 1.0) / every_s) * every_s  # a second to settle
+        window = (first, first + window_s - every_s / 2)
+        want = schedules * math.floor(window_s / every_s + 1e-9)
+        await anyio.sleep(max(0.0, first - time.time() - 0.1))
+        cpu, began = cpu_s(d.proc.pid), time.time()
+        await _until_done(db, window, want)
+        cpu, took_s = cpu_s(d.proc.pid) - cpu, time.time() - began
+        # Fires after the window were made meanwhile too: the CPU is counted against them all.
+        ((made,),) = query(db, "SELECT COUNT(*) FROM schedule_fires WHERE at >= ?", (began,))
+        rows = query(db, f"SELECT f.nominal, f.at, w.data {_IN_WINDOW}", window)
+        ((missed,),) = query(
+            db, "SELECT COALESCE(SUM(count), 0) FROM schedule_fires WHERE kind = 'skipped'"
+        )
+    fire_late = [(at - nominal) * 1000 for nominal, at, _ in rows]
+    started = [(nominal, json.loads(data)["started_at"]) for nominal, _, data in rows]
+    start_late = [(at - nominal) * 1000 for nominal, at in started if at]
+    ctx = {"schedules": schedules, "every_s": every_s, "window_s": window_s, "due": want,
+           "fires": len(rows), "missed": missed, "took_s": round(took_s, 2)}  # fmt: skip
+    return [
+        *(
+            _figure(
+                f"{name}{label}_p{p}_ms",
+                round(percentile(values, p), 2),
+                TARGET_P99_MS if (name, p) == ("fire_late", 99) else None,
+                **ctx,
+            )
+            for name, values in (("fire_late", fire_late), ("start_late", start_late))
+            for p in (50, 99)
+        ),
+        _figure(f"daemon_cpu_per_fire{label}_us", round(cpu / max(1, made) * 1e6), None, **ctx),
+    ]
+
+
+async def run(tmp: Path, schedules: int = SCHEDULES) -> list[dict[str, Any]]:
+    """Measure a tenth of the schedules (a load the daemon keeps up with), then all of them."""
+    moderate = await measure(tmp / "moderate", max(1, schedules // 10), label="_moderate")
+    return [*moderate, *await measure(tmp / "full", schedules)]

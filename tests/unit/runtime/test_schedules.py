@@ -1,0 +1,418 @@
+"""The schedules' firing loop on a real runtime and SQLite store, with a fake clock."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from daemon import Schedule
+from daemon.clock import FakeClock
+from daemon.core.schedule import workflow_id
+from daemon.errors import ScheduleNotFound
+from daemon.runtime.fires import SPACING_S
+from daemon.runtime.runtime import Runtime
+from daemon.runtime.schedules import Schedules
+from daemon.store.base import FireRecord, History, WorkflowRow
+from daemon.store.sqlite import SQLiteStore
+from tests.helpers.wait import eventually
+from tests.workflows.schedules import Chime, Lingers
+
+REGISTRY: dict[str, Any] = {"Chime": Chime, "Lingers": Lingers}
+#: The fake clock starts on a multiple of every interval used here.
+T0 = 1_699_999_200.0  # 2023-11-14T22:00:00Z
+
+
+@dataclass
+class Bench:
+    """A runtime, its store, the schedules loop and the fake clock they share."""
+
+    rt: Runtime
+    store: SQLiteStore
+    clock: FakeClock
+    schedules: Schedules
+    held: list[bool] = field(default_factory=lambda: [False])
+
+    async def fires(self, name: str) -> list[FireRecord]:
+        """Return the schedule's kept fires and skips."""
+        return await self.store.schedule_fires(name)
+
+    async def kinds(self, name: str) -> list[str]:
+        """Return the kinds of the schedule's records, oldest first."""
+        return [f.kind for f in await self.fires(name)]
+
+    async def to(self, at: float) -> None:
+        """Move the fake clock to `at` in steps under the loop's grace, so it is no jump."""
+        while self.clock.now() < at:
+            self.clock.advance(min(1.0, at - self.clock.now()))
+            await anyio.sleep(0.005)  # let the loop and the actors take their turn
+
+    async def status(self, wid: str) -> str | None:
+        """Return a workflow's status once the runtime is idle."""
+        await self.rt.wait_idle()
+        return await self.rt.status_of(wid)
+
+
+@asynccontextmanager
+async def bench(
+    db: Path, *schedules: Schedule, start: Any = None, grace_s: float = 2.0
+) -> AsyncIterator[Bench]:
+    """Run a runtime and the schedules loop on a fake clock at T0."""
+    clock = FakeClock(T0)
+    async with (
+        SQLiteStore.open(db) as store,
+        Runtime.open(store, REGISTRY, clock=clock) as rt,
+        anyio.create_task_group() as tg,
+    ):
+        b = Bench(rt, store, clock, None)  # type: ignore[arg-type]
+        b.schedules = Schedules(
+            store=store,
+            clock=clock,
+            start=start or rt.start,
+            cancel=rt.cancel,
+            status=rt.status_of,
+            held=lambda: b.held[0],
+            schedules={s.name: s for s in schedules},
+            grace_s=grace_s,
+        )
+        rt.scheduler.on_exit = b.schedules.workflow_exited
+        await tg.start(b.schedules.run)
+        yield b
+        tg.cancel_scope.cancel()
+
+
+async def fired_ids(b: Bench, name: str, want: int) -> list[str]:
+    """Wait until the schedule started `want` workflows; return their ids."""
+
+    async def enough() -> bool:
+        return len(await started(b, name)) >= want
+
+    await eventually(enough)
+    return await started(b, name)
+
+
+async def started(b: Bench, name: str) -> list[str]:
+    """Return the ids of the workflows the schedule started, oldest first."""
+    return [f.workflow_id for f in await b.fires(name) if f.workflow_id and f.kind in STARTS]
+
+
+STARTS = ("fired", "caught_up", "manual")
+
+
+class TestFiring:
+    """On-time fires."""
+
+    async def test_fires_at_each_nominal_time(self, tmp_path: Path) -> None:
+        """Each interval starts one workflow with the nominal time in its id and the input."""
+        s = Schedule("tick", "Chime", every=10, input={"label": "hi"})
+        async with bench(tmp_path / "db", s) as b:
+            assert await b.fires("tick") == []
+            await b.to(T0 + 10)
+            ids = await fired_ids(b, "tick", 1)
+            assert ids == [workflow_id("tick", T0 + 10)]
+            assert await b.status(ids[0]) == "Finished"
+            assert (await b.rt.show(ids[0]))["data"]["label"] == "hi"
+            await b.to(T0 + 30)
+            ids = await fired_ids(b, "tick", 3)
+            assert ids == [workflow_id("tick", T0 + k) for k in (10, 20, 30)]
+            assert await b.kinds("tick") == ["fired"] * 3
+
+    async def test_jitter_delays_the_start_not_the_id(self, tmp_path: Path) -> None:
+        """A jittered fire starts `jitter(nominal)` after its nominal time, with the same id."""
+        s = Schedule("jit", "Chime", every=60, jitter_s=30)
+        delay = s.jitter(T0 + 60)
+        assert delay > 0.5
+        async with bench(tmp_path / "db", s) as b:
+            await b.to(T0 + 60 + delay - 0.5)
+            await b.rt.wait_idle()
+            assert await b.fires("jit") == []  # the clock stands still: nothing can move
+            await b.to(T0 + 61 + delay)
+            assert await fired_ids(b, "jit", 1) == [workflow_id("jit", T0 + 60)]
+            (fire,) = await b.fires("jit")
+            assert fire.at >= T0 + 60 + delay
+
+    async def test_clock_backward_never_repeats_a_fire(self, tmp_path: Path) -> None:
+        """After the clock steps back, the next fire is still after the last one handled."""
+        s = Schedule("back", "Chime", every=10, catchup="all", overlap="allow")
+        async with bench(tmp_path / "db", s) as b:
+            await b.to(T0 + 20)
+            await fired_ids(b, "back", 2)
+            b.clock.advance(-15.0)  # the wall clock steps back past both fires
+            await b.to(T0 + 30)
+            ids = await fired_ids(b, "back", 3)
+            assert ids == [workflow_id("back", T0 + k) for k in (10, 20, 30)]
+
+    async def test_a_failing_start_is_retried(self, tmp_path: Path) -> None:
+        """A start that raises is logged and retried with backoff; the fire is not lost."""
+        calls: list[str] = []
+
+        async def flaky(workflow: str, wid: str | None = None, input: Any = None, *,
+                        create: Any = None) -> dict[str, Any]:  # fmt: skip
+            calls.append(str(wid))
+            if len(calls) == 1:
+                raise OSError("disk full")
+            return await real(workflow, wid, input, create=create)
+
+        s = Schedule("flaky", "Chime", every=10)
+        async with bench(tmp_path / "db", s, start=flaky) as b:
+            real = b.rt.start
+            await b.to(T0 + 10)
+
+            async def tried() -> bool:
+                return len(calls) >= 1
+
+            await eventually(tried)
+            await b.to(T0 + 12)  # past the 1 s backoff
+            assert await fired_ids(b, "flaky", 1) == [workflow_id("flaky", T0 + 10)]
+            assert calls == [workflow_id("flaky", T0 + 10)] * 2
+
+
+class TestCatchUp:
+    """After the clock jumps forward (a suspend), missed fires follow the policy."""
+
+    async def test_once_after_a_jump(self, tmp_path: Path) -> None:
+        """once: the newest missed time starts (late), the others are recorded as skipped."""
+        s = Schedule("once", "Chime", every=10, catchup="once")
+        async with bench(tmp_path / "db", s) as b:
+            await b.to(T0 + 10)
+            await fired_ids(b, "once", 1)
+            await b.rt.wait_idle()  # ended: the catch-up is no overlap
+            b.clock.advance(95.0)  # 9.5 intervals in one go: far past the grace
+            ids = await fired_ids(b, "once", 2)
+            assert ids[1] == workflow_id("once", T0 + 100)
+            records = await b.fires("once")
+            assert [(r.kind, r.count) for r in records] == [
+                ("fired", 1), ("skipped", 8), ("caught_up", 1)
+            ]  # fmt: skip
+            assert records[1].reason == "missed"
+
+    async def test_skip_after_a_jump(self, tmp_path: Path) -> None:
+        """skip: nothing starts for the missed times; the next on-time one does."""
+        s = Schedule("skip", "Chime", every=10, catchup="skip")
+        async with bench(tmp_path / "db", s) as b:
+            await b.to(T0 + 10)
+            await fired_ids(b, "skip", 1)
+            await b.rt.wait_idle()
+            b.clock.advance(95.0)
+
+            async def skipped() -> bool:
+                return "skipped" in await b.kinds("skip")
+
+            await eventually(skipped)
+            await b.to(T0 + 110)
+            ids = await fired_ids(b, "skip", 2)
+            assert ids == [workflow_id("skip", T0 + 10), workflow_id("skip", T0 + 110)]
+            assert [(r.kind, r.count) for r in await b.fires("skip")] == [
+                ("fired", 1), ("skipped", 9), ("fired", 1)
+            ]  # fmt: skip
+
+    async def test_all_is_spread_out_in_order(self, tmp_path: Path) -> None:
+        """all: one workflow per missed time, oldest first, at most one per SPACING_S."""
+        s = Schedule("all", "Chime", every=10, catchup="all", overlap="allow")
+        async with bench(tmp_path / "db", s) as b:
+            await b.to(T0 + 10)
+            await fired_ids(b, "all", 1)
+            b.clock.advance(95.0)
+            for _ in range(60):  # 3 fake seconds in small steps: room for 15 spaced starts
+                b.clock.advance(0.05)
+                await anyio.sleep(0.005)
+            ids = await fired_ids(b, "all", 10)
+            assert ids == [workflow_id("all", T0 + 10 * k) for k in range(1, 11)]
+            caught = [r for r in await b.fires("all") if r.kind == "caught_up"]
+            assert len(caught) == 9
+            gaps = [later.at - earlier.at for earlier, later in itertools.pairwise(caught)]
+            assert min(gaps) >= SPACING_S - 1e-6
+
+    async def test_all_only_inside_the_window(self, tmp_path: Path) -> None:
+        """all: missed times older than catchup_window_s are given up, not started."""
+        s = Schedule("win", "Chime", every=10, catchup="all", catchup_window_s=30, overlap="allow")
+        async with bench(tmp_path / "db", s) as b:
+            await b.to(T0 + 10)
+            await fired_ids(b, "win", 1)
+            b.clock.advance(95.0)
+            for _ in range(40):
+                b.clock.advance(0.05)
+                await anyio.sleep(0.005)
+            ids = await fired_ids(b, "win", 4)
+            assert ids == [workflow_id("win", T0 + k) for k in (10, 80, 90, 100)]
+            assert ("skipped", 6) in [(r.kind, r.count) for r in await b.fires("win")]
+
+
+class TestOverlap:
+    """A previous run still unfinished when the next fire comes."""
+
+    async def overlapping(self, b: Bench, name: str, fires: int) -> None:
+        """Move through `fires` nominal times while the first run lingers."""
+        await b.to(T0 + 10)
+        await fired_ids(b, name, 1)
+        await b.rt.wait_idle()
+        await b.to(T0 + 10 * fires)
+
+    async def test_skip(self, tmp_path: Path) -> None:
+        """skip: later fires are recorded as skipped while the first one runs."""
+        async with bench(tmp_path / "db", Schedule("ov", "Lingers", every=10)) as b:
+            await self.overlapping(b, "ov", 3)
+
+            async def two_skips() -> bool:
+                return (await b.kinds("ov")).count("skipped") == 2
+
+            await eventually(two_skips)
+            first = workflow_id("ov", T0 + 10)
+            assert await started(b, "ov") == [first]
+            reasons = {r.reason for r in await b.fires("ov") if r.kind == "skipped"}
+            assert reasons == {f"overlap: {first} still running"}
+            await b.rt.send(first, "finish", "test")
+            await b.to(T0 + 40)
+            assert (await fired_ids(b, "ov", 2))[1] == workflow_id("ov", T0 + 40)
+
+    async def test_allow(self, tmp_path: Path) -> None:
+        """allow: every fire starts, so runs pile up."""
+        s = Schedule("ov", "Lingers", every=10, overlap="allow")
+        async with bench(tmp_path / "db", s) as b:
+            await self.overlapping(b, "ov", 3)
+            for wid in await fired_ids(b, "ov", 3):
+                assert await b.status(wid) == "Waiting"
+
+    async def test_buffer_one(self, tmp_path: Path) -> None:
+        """buffer_one: one fire waits, and starts as soon as the running one ends."""
+        s = Schedule("ov", "Lingers", every=10, overlap="buffer_one")
+        async with bench(tmp_path / "db", s) as b:
+            await self.overlapping(b, "ov", 3)
+
+            async def buffered_and_skipped() -> bool:
+                return await b.kinds("ov") == ["fired", "buffered", "skipped"]
+
+            await eventually(buffered_and_skipped)
+            assert (await b.schedules.show("ov"))["buffered_at"] == T0 + 20
+            await b.rt.send(workflow_id("ov", T0 + 10), "finish", "test")
+            # Started without the clock moving: right after the first run ended.
+            ids = await fired_ids(b, "ov", 2)
+            assert ids[-1] == workflow_id("ov", T0 + 20)
+            assert (await b.fires("ov"))[-1].reason == "buffered"
+            assert (await b.schedules.show("ov"))["buffered_at"] is None
+
+    async def test_cancel_other(self, tmp_path: Path) -> None:
+        """cancel_other: the running one is cancelled and the new one starts."""
+        s = Schedule("ov", "Lingers", every=10, overlap="cancel_other")
+        async with bench(tmp_path / "db", s) as b:
+            await self.overlapping(b, "ov", 3)
+            ids = await fired_ids(b, "ov", 3)
+            assert [await b.status(w) for w in ids] == ["Cancelled", "Cancelled", "Waiting"]
+
+
+class TestControl:
+    """Pause, resume, trigger, list and reload."""
+
+    async def test_pause_then_resume_catches_up(self, tmp_path: Path) -> None:
+        """A paused schedule fires nothing; resumed, its catch-up policy applies."""
+        s = Schedule("p", "Chime", every=10, catchup="once")
+        async with bench(tmp_path / "db", s) as b:
+            assert await b.schedules.pause("p") == {"name": "p", "paused": True}
+            await b.to(T0 + 35)
+            await b.rt.wait_idle()
+            assert await b.fires("p") == []
+            assert (await b.schedules.list())[0]["paused"] is True
+            assert (await b.schedules.list())[0]["next_fire_at"] is None
+            assert await b.schedules.resume("p") == {"name": "p", "paused": False}
+            assert await fired_ids(b, "p", 1) == [workflow_id("p", T0 + 30)]
+            assert [(r.kind, r.count) for r in await b.fires("p")] == [
+                ("skipped", 2), ("caught_up", 1)
+            ]  # fmt: skip
+
+    async def test_pause_survives_a_restart(self, tmp_path: Path) -> None:
+        """The paused flag is stored."""
+        s = Schedule("p", "Chime", every=10)
+        async with bench(tmp_path / "db", s) as b:
+            await b.schedules.pause("p")
+        async with bench(tmp_path / "db", s) as b:
+            assert (await b.schedules.show("p"))["paused"] is True
+
+    async def test_trigger(self, tmp_path: Path) -> None:
+        """trigger starts one workflow now, paused or not, without moving the schedule."""
+        s = Schedule("t", "Chime", every=10)
+        async with bench(tmp_path / "db", s) as b:
+            await b.schedules.pause("t")
+            result = await b.schedules.trigger("t")
+            assert result["workflow_id"] == "t:manual:2023-11-14T22:00:00.000Z"
+            assert result["created"] is True
+            assert await b.status(result["workflow_id"]) == "Finished"
+            shown = await b.schedules.show("t")
+            assert shown["last_workflow_id"] == result["workflow_id"]
+            assert shown["last_status"] == "Finished"
+            assert shown["last_nominal_at"] == T0
+            assert [r.kind for r in await b.fires("t")] == ["manual"]
+
+    async def test_unknown_name(self, tmp_path: Path) -> None:
+        """An unknown schedule is `not_found`, naming the known ones."""
+        async with bench(tmp_path / "db", Schedule("a", "Chime", every=10)) as b:
+            for call in (
+                b.schedules.show,
+                b.schedules.pause,
+                b.schedules.resume,
+                b.schedules.trigger,
+            ):
+                with pytest.raises(ScheduleNotFound, match="known: a"):
+                    await call("nope")
+
+    async def test_list_row(self, tmp_path: Path) -> None:
+        """`schedules` rows carry the documented fields."""
+        s = Schedule("l", "Chime", cron="*/5 * * * *", tz="Europe/Berlin")
+        async with bench(tmp_path / "db", s) as b:
+            (row,) = await b.schedules.list()
+            assert row == {
+                "name": "l", "workflow": "Chime", "spec": "*/5 * * * *", "tz": "Europe/Berlin",
+                "next_fire_at": T0 + 300, "last_fire_at": None, "last_workflow_id": None,
+                "last_status": None, "paused": False,
+            }  # fmt: skip
+
+    async def test_reload_adds_and_removes(self, tmp_path: Path) -> None:
+        """configure() starts new schedules and stops removed ones; their rows stay."""
+        async with bench(tmp_path / "db", Schedule("old", "Chime", every=10)) as b:
+            b.schedules.configure({"new": Schedule("new", "Chime", every=10)})
+
+            async def switched() -> bool:
+                return [r["name"] for r in await b.schedules.list()] == ["new"]
+
+            await eventually(switched)
+            await b.to(T0 + 10)
+            await fired_ids(b, "new", 1)
+            assert await b.fires("old") == []
+
+    async def test_hold_fires_nothing_until_released(self, tmp_path: Path) -> None:
+        """Under `--hold` nothing fires; after release the catch-up policy applies."""
+        s = Schedule("h", "Chime", every=10, catchup="once")
+        async with bench(tmp_path / "db", s) as b:
+            b.held[0] = True
+            await b.to(T0 + 25)
+            await b.rt.wait_idle()
+            assert await b.fires("h") == []
+            b.held[0] = False
+            await b.to(T0 + 27)
+            assert await fired_ids(b, "h", 1) == [workflow_id("h", T0 + 20)]
+
+
+class TestAtomicFire:
+    """The workflow and the schedule's row commit together."""
+
+    async def test_a_failed_schedule_write_creates_no_workflow(self, tmp_path: Path) -> None:
+        """If the schedule's part of the transaction fails, the workflow row is not kept."""
+        async with SQLiteStore.open(tmp_path / "db") as store:
+            await store.schedules_load(["real"], T0)
+            row = WorkflowRow("x:1", "Chime", "Resuming", "{}", "{}")
+            history: History = [("started", {"input": {}})]
+            with pytest.raises(ScheduleNotFound):
+                await store.schedule_fire("ghost", row, history, last_nominal=T0 + 1)
+            assert await store.get("x:1") is None
+            assert await store.schedule_fire("real", row, history, last_nominal=T0 + 1)
+            (state,) = await store.schedules_load(["real"], T0 + 99)
+            assert (state.last_nominal, state.last_workflow_id) == (T0 + 1, "x:1")
+            # The same id again: the workflow stays as it was, the schedule never moves back.
+            assert not await store.schedule_fire("real", row, history, last_nominal=T0)
+            (state,) = await store.schedules_load(["real"], T0 + 99)
+            assert state.last_nominal == T0 + 1
