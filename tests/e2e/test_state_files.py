@@ -15,7 +15,7 @@ import pytest
 from tests.helpers import REPO
 from tests.helpers.client import connect
 from tests.helpers.harness import Daemon, write_config
-from tests.helpers.support import needs_root
+from tests.helpers.support import runs_daemon_as_other_uid
 from tests.helpers.wait import wait_status
 
 MODULES = ["tests.workflows.stalls"]
@@ -111,7 +111,7 @@ class TestUnwritable:
         assert b"daemon_started" not in done.stdout
         assert not (tmp_path / "wd.sock").exists()
 
-    @needs_root
+    @runs_daemon_as_other_uid
     async def test_folder_another_user_cannot_write(self, short_tmp: Path) -> None:
         """Run as uid 65534 on a root-owned folder: refused, naming the file and EACCES."""
         os.chmod(short_tmp, 0o755)  # readable (the config), not writable, by uid 65534

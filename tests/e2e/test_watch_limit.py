@@ -18,7 +18,7 @@ import anyio.abc
 from tests.helpers import REPO
 from tests.helpers.harness import Daemon, write_config
 from tests.helpers.probes import fds
-from tests.helpers.support import needs_root
+from tests.helpers.support import runs_daemon_as_other_uid
 from tests.helpers.wait import logged, shown_when, until, wait_status
 
 MODULES = ["tests.workflows.handler"]
@@ -64,7 +64,7 @@ def wait_of(shown: dict[str, Any], event: str) -> dict[str, Any]:
     return {}
 
 
-@needs_root
+@runs_daemon_as_other_uid
 class TestInstanceLimit:
     async def test_watches_past_the_limit_are_setup_errors_then_fire(self, short_tmp: Path) -> None:
         """With the uid's inotify instances used up, every new watch is a setup error: shown,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -72,4 +74,21 @@ class Driver(Generic[W]):
 #: Tests that drop privileges to another uid with setpriv.
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv"
+)
+
+
+def _other_uids_reach_the_venv() -> bool:
+    """Tell whether an unprivileged uid can run this interpreter and import the checkout."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        return False
+    drop = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+    probe = [*drop, sys.executable, "-c", "import daemon"]
+    return subprocess.run(probe, capture_output=True, check=False, timeout=60).returncode == 0
+
+
+#: Tests that run workflowd itself as another uid: that uid must reach the checkout's venv
+#: (a checkout under a private folder such as /root is not; .ci/run opens the path up).
+runs_daemon_as_other_uid = pytest.mark.skipif(
+    not _other_uids_reach_the_venv(),
+    reason="needs root, setpriv, and a checkout other uids can reach (not under a 0700 folder)",
 )

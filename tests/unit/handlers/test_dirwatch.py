@@ -16,7 +16,7 @@ from handlers import FileWatch
 from handlers._dirwatch import Changes, Subscription, _make, hub
 from tests.helpers import REPO
 from tests.helpers.probes import fds
-from tests.helpers.support import needs_root
+from tests.helpers.support import runs_daemon_as_other_uid
 from tests.helpers.wait import until
 
 ADDED = 1
@@ -111,7 +111,7 @@ class TestErrors:
         assert dirs == {str(here)} and list(errors) == [str(tmp_path / "gone")]
         assert isinstance(errors[str(tmp_path / "gone")], FileNotFoundError)
 
-    @needs_root
+    @runs_daemon_as_other_uid
     def test_limit_and_refused_directory_as_another_user(self, short_tmp: Path) -> None:
         """As uid 64999: with its inotify instances used up, setup raises the limit; a
         directory it may not read fails alone while the others are still watched."""
