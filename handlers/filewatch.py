@@ -17,6 +17,8 @@ like systemd's .path units.
 - setup records the file's identity (inode, size, mtime), so an edge that
   happened before listen started, or while the daemon was down, still fires
   when listen starts (`modified`: the file differs from the one at setup).
+- a watch that fails to re-arm after a restart (the inotify limits) becomes a setup
+  error; the setup that retries it keeps the identity recorded the first time.
 - setup adds the directory to the daemon's one inotify instance (see
   `_dirwatch.Hub`): a directory that cannot be watched (the per-user inotify
   limits, permissions) fails the setup, so the wait shows the error and is
@@ -67,9 +69,17 @@ class FileWatch:
     async def setup(self, req: CallbackRequest) -> str:
         """Watch the directory; store the absolute path, the condition and the file's identity.
 
-        Raises WatchFailed (an OSError) if the directory cannot be watched.
+        Raises WatchFailed (an OSError) if the directory cannot be watched. Set up again
+        (its watch failed to re-arm after a restart), it keeps the identity seen first, so a
+        change made meanwhile still fires.
         """
         spec = _spec(self.path, self.on)
+        try:
+            was = msgspec.json.decode(req.setup_data, type=_Spec) if req.setup_data else None
+        except msgspec.MsgspecError:
+            was = None
+        if was is not None and (was.path, was.on) == (spec.path, spec.on):
+            spec.seen = was.seen
         for attempt in range(3):
             try:
                 await hub().add(_root(spec))

@@ -141,6 +141,8 @@ class Actor:
             elif item.kind == "cancel":
                 self.items.appendleft(item)
                 self._cancelling = True
+            elif item.kind == "listen_failed":
+                loaded = await self._guard(self._listen_failed, loaded, item)
 
     async def _guard(self, fn: Any, loaded: Loaded, *args: Any) -> Loaded:
         """Run one unit of work; an I/O failure reloads the durable state and backs off."""
@@ -233,6 +235,14 @@ class Actor:
         self._scope = None
         if self._cancelling:
             return
+        await self._settle(loaded)
+        if loaded.state.status is WorkflowStatus.FINISHED:
+            log.info("workflow_finished")
+            if loaded.state.threads:  # a wait whose teardown failed: retried by the janitor
+                self.on_leftover()
+
+    async def _settle(self, loaded: Loaded) -> None:
+        """Save the workflow and arm its waits; broken waits log and set the next retry."""
         broken = [
             ev.error for t in loaded.state.threads for ev in t.wait_events if ev.status in _BROKEN
         ]
@@ -245,10 +255,25 @@ class Actor:
             loaded.attempt, loaded.error = 0, None
         await self._save(loaded)
         self.arms.rearm(loaded.wf, loaded.state)
-        if loaded.state.status is WorkflowStatus.FINISHED:
-            log.info("workflow_finished")
-            if loaded.state.threads:  # a wait whose teardown failed: retried by the janitor
-                self.on_leftover()
+
+    async def _listen_failed(self, loaded: Loaded, item: Item) -> None:
+        """Record an armed wait whose listener failed as a setup error, retried with backoff."""
+        assert item.req is not None
+        req = item.req
+        for t in loaded.state.threads:
+            for ev in t.wait_events:
+                if (
+                    t.id == req.thread_id
+                    and ev.req.name == req.name
+                    and ev.req.pc == req.pc
+                    and ev.status is EventStatus.SETUP
+                ):
+                    # Setup runs again at the retry, as for a setup that failed; the stored
+                    # setup data stays, so the handler may take up what it had seen.
+                    ev.status, ev.error = EventStatus.SETUP_ERROR, str(item.input)
+                    await self._settle(loaded)
+                    return
+        # The wait was handled, torn down or set up again meanwhile: nothing to record.
 
     async def _run_step(self, step: Step) -> None:
         self.running_step = run = StepRun(step.name)

@@ -24,6 +24,9 @@ Key = tuple[str, str, str, int]
 #: Submits a callback for an armed wait; `wait` says whether to await its result.
 #: With `wait=False` it only queues the callback and must not block: timers fire inline.
 Submit = Callable[[CallbackRequest, Any, bool], Coroutine[Any, Any, Any]]
+#: Reports that an armed wait's listener failed (not its delivery), with the error text.
+#: It must not block: it only queues work.
+Broken = Callable[[CallbackRequest, str], None]
 
 LISTEN_RETRY_MAX_S = 60.0
 REFUSED_GRACE_S = 0.25
@@ -37,8 +40,10 @@ def key_of(req: CallbackRequest) -> Key:
 class Arms:
     """Keeps the timers and listen tasks of every armed wait, and fires them."""
 
-    def __init__(self, tg: anyio.abc.TaskGroup, clock: Clock, submit: Submit) -> None:
-        self._tg, self._clock, self._submit = tg, clock, submit
+    def __init__(
+        self, tg: anyio.abc.TaskGroup, clock: Clock, submit: Submit, broken: Broken
+    ) -> None:
+        self._tg, self._clock, self._submit, self._broken = tg, clock, submit, broken
         self._heap: list[tuple[float, int, Key]] = []
         self._seq = itertools.count()
         self._timers: dict[Key, float] = {}
@@ -134,11 +139,14 @@ class Arms:
         listen: Callable[[CallbackRequest, Deliver], Awaitable[None]],
         scope: anyio.CancelScope,
     ) -> None:
+        refused: list[BaseException] = []
+
         async def deliver(value: Any) -> Any:
             self._delivering.add(key)
             try:
                 return await self._submit(req, value, True)
-            except Exception:
+            except Exception as e:
+                refused.append(e)
                 if self._listeners.get(key) is not scope:
                     # Disarmed while delivering and refused: the wait is gone, so end the
                     # listener once it had a moment to answer its client.
@@ -156,13 +164,20 @@ class Arms:
                 except Exception as e:  # noqa: BLE001 - a broken listener is retried, never fatal
                     if self._listeners.get(key) is not scope:
                         return  # disarmed: it failed because its wait is gone
+                    error = f"{type(e).__name__}: {e}"
                     log.warning(
                         "listen_failed",
                         workflow_id=req.workflow_id,
                         event_name=req.name,
-                        error=f"{type(e).__name__}: {e}",
+                        error=error,
                         retry_in_s=delay,
                     )
+                    if not any(e is r for r in refused):
+                        # The watch itself could not be (re)opened, e.g. after a restart: a
+                        # setup error, shown and retried like one. Its actor disarms us then;
+                        # until it does (or if the wait moved on), this loop keeps retrying.
+                        self._broken(req, error)
+                refused.clear()
                 await anyio.sleep(delay)
                 delay = min(delay * 2, LISTEN_RETRY_MAX_S)
 

@@ -82,7 +82,7 @@ class Runtime:
         self.scheduler = Scheduler(
             tg, cache=self.cache, hold=Hold(settings.hold), new_actor=self._new_actor
         )
-        self.arms = Arms(tg, clock, self._submit_callback)
+        self.arms = Arms(tg, clock, self._submit_callback, self._listen_failed)
         self.recovery = Recovery(
             store=store, cache=self.cache, scheduler=self.scheduler, arms=self.arms
         )
@@ -162,6 +162,11 @@ class Runtime:
         if wait:
             return await reply.wait()
         return None
+
+    def _listen_failed(self, req: CallbackRequest, error: str) -> None:
+        """Have the workflow's actor record an armed wait whose listener failed as SetupError."""
+        if not self.scheduler.stopping:
+            self.scheduler.submit(req.workflow_id, Item("listen_failed", req=req, input=error))
 
     # -- recovery ---------------------------------------------------------------------------
 

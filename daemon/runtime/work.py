@@ -46,7 +46,10 @@ class Reply:
 
 @dataclass(slots=True)
 class Item:
-    """Work for an actor: "resume", "callback" or "cancel"."""
+    """Work for an actor: "resume", "callback", "cancel" or "listen_failed".
+
+    "listen_failed" carries the wait's request and, as input, the error text.
+    """
 
     kind: str
     req: CallbackRequest | None = None

@@ -120,3 +120,62 @@ class TestInstanceLimit:
                 await hog.wait()
             if d.proc is not None and d.proc.poll() is None:
                 await d.stop()
+
+    async def test_watch_rearmed_past_the_limit_is_a_setup_error_then_fires(
+        self, short_tmp: Path
+    ) -> None:
+        """A watch set up before a restart and re-armed after it, with the uid's inotify
+        instances used up, is a setup error too: shown, logged, retried, then it fires.
+
+        `early`'s file is created while its wait is in error: the retried setup keeps what
+        the first one saw, so that edge fires too.
+        """
+        os.chmod(short_tmp, 0o755)
+        os.chown(short_tmp, UID, UID)
+        files = short_tmp / "files"
+        files.mkdir()
+        targets = {"late": files / "late", "early": files / "early"}
+        d = DaemonAs(short_tmp, write_config(short_tmp, MODULES))
+        hog: anyio.abc.Process | None = None
+        try:
+            await d.start()
+            async with d.client() as c:
+                for wid, t in targets.items():
+                    watch = {"kind": "file", "path": str(t), "on": "created"}
+                    await c.call("start", workflow="Guarded", workflow_id=wid, input=watch)
+                for wid in targets:
+                    await shown_when(c, wid, lambda s: wait_of(s, "it").get("status") == "Setup")
+            assert await d.stop() == 0
+            hog = await anyio.open_process([*AS_UID, sys.executable, "-c", HOG])
+            assert hog.stdout is not None and hog.stdin is not None
+            with anyio.fail_after(30):
+                said = await hog.stdout.receive()
+            assert said.startswith(b"holding "), said
+            await d.start()
+            async with d.client() as c:
+                for wid in targets:
+                    shown = await shown_when(
+                        c, wid, lambda s: wait_of(s, "it").get("status") == "SetupError"
+                    )
+                    assert "max_user_instances" in wait_of(shown, "it")["error"], shown
+                    assert "max_user_instances" in shown["error"]
+                    (failed, *_) = await logged(d, "handler_failed", workflow_id=wid)
+                    assert "max_user_instances" in failed["error"]
+                    assert failed["retry_in_s"] > 0
+                targets["early"].touch()
+
+                await hog.stdin.aclose()  # the instances are free again
+                with anyio.fail_after(30):
+                    await hog.wait()
+                await shown_when(c, "late", lambda s: wait_of(s, "it").get("status") == "Setup")
+                targets["late"].touch()
+                for wid, t in targets.items():
+                    shown = await wait_status(c, wid, "Finished")
+                    assert shown["data"]["ran"] == ["it"]
+                    assert shown["data"]["seen"]["got"] == {"path": str(t), "change": "created"}
+        finally:
+            if hog is not None and hog.returncode is None:
+                hog.kill()
+                await hog.wait()
+            if d.proc is not None and d.proc.poll() is None:
+                await d.stop()

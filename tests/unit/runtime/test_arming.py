@@ -124,7 +124,7 @@ class TestTimer:
 
         with structlog.testing.capture_logs() as logs:
             async with anyio.create_task_group() as tg:
-                arms = Arms(tg, clock, submit)
+                arms = Arms(tg, clock, submit, lambda req, error: None)
                 tg.start_soon(arms.run_timers)
                 deadline = clock.now() + 60
                 req = CallbackRequest("w", "_main_", "wake", 1, json.dumps({"deadline": deadline}))
@@ -136,6 +136,69 @@ class TestTimer:
         assert calls[1] == {"deadline": deadline, "fired_at": deadline + 1}
         (failed,) = [r for r in logs if r["event"] == "task_failed"]
         assert failed["task"] == "timers" and "queue broke" in failed["error"]
+
+
+class _Listener:
+    """An active handler whose listen fails `fails` times, then delivers `value` (stand-in)."""
+
+    type = "test"
+
+    def __init__(self, fails: int, value: Any = "hi") -> None:
+        self.fails, self.value = fails, value
+
+    async def setup(self, req: CallbackRequest) -> str:
+        return ""
+
+    async def listen(self, req: CallbackRequest, deliver: Any) -> None:
+        if self.fails:
+            self.fails -= 1
+            raise OSError("cannot watch /x")
+        await deliver(self.value)
+        await anyio.sleep_forever()
+
+    async def handle(self, req: CallbackRequest, input: Any) -> Any:
+        return input
+
+    async def teardown(self, req: CallbackRequest, handled: bool) -> None:
+        pass
+
+
+class TestListenFailed:
+    """A listener that fails is reported as a broken wait; a refused delivery is not."""
+
+    async def test_failing_listen_is_reported(self) -> None:
+        """Its request and error reach `broken`; the listener still retries on its own."""
+        broken: list[tuple[CallbackRequest, str]] = []
+        delivered = anyio.Event()
+
+        async def submit(req: CallbackRequest, input: Any, wait: bool) -> None:
+            delivered.set()
+
+        async with anyio.create_task_group() as tg:
+            arms = Arms(tg, FakeClock(), submit, lambda req, e: broken.append((req, e)))
+            req = CallbackRequest("w", "_main_", "it", 3)
+            arms.sync("w", {key_of(req): (req, _Listener(fails=1))})
+            with anyio.fail_after(10):
+                await delivered.wait()  # retried after its 1 s backoff
+            assert broken == [(req, "OSError: cannot watch /x")]
+            tg.cancel_scope.cancel()
+
+    async def test_refused_delivery_is_not_reported(self) -> None:
+        """An error raised by the delivery (the workflow refused it) is no broken wait."""
+        broken: list[tuple[CallbackRequest, str]] = []
+        calls: list[Any] = []
+
+        async def submit(req: CallbackRequest, input: Any, wait: bool) -> None:
+            calls.append(input)
+            raise CallbackNotFound("gone")
+
+        async with anyio.create_task_group() as tg:
+            arms = Arms(tg, FakeClock(), submit, lambda req, e: broken.append((req, e)))
+            req = CallbackRequest("w", "_main_", "it", 3)
+            arms.sync("w", {key_of(req): (req, _Listener(fails=0))})
+            await until(lambda: len(calls) == 2)  # retried after its 1 s backoff
+            assert broken == []
+            tg.cancel_scope.cancel()
 
 
 class TestFileWatch:
