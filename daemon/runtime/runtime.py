@@ -277,10 +277,7 @@ class Runtime:
         if loaded.state.status in FINAL_STATUSES:
             return {"workflow_id": workflow_id, "status": loaded.state.status.value}
         reply = Reply()
-        self.scheduler.submit(workflow_id, Item("cancel", reply=reply))
-        actor = self.scheduler.actor(workflow_id)  # none while a repair holds the workflow off
-        if actor is not None:
-            actor.interrupt()
+        self.scheduler.submit(workflow_id, Item("cancel", reply=reply))  # interrupts its actor
         await reply.wait()
         if self.scheduler.hold.incompatible.pop(workflow_id, None) is not None:
             await self._drop_parked(workflow_id)
