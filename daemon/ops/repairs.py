@@ -315,7 +315,7 @@ class Repairs:
 
     async def graph(self, workflow: str, workflow_id: str | None, format: str) -> str:
         """Draw a workflow type's definition; with an id, that workflow's own, with its positions."""
-        self._cache.workflow_type(workflow)
+        cls = self._cache.workflow_type(workflow)
         state: State | None = None
         failed: list[str] = []
         if workflow_id:
@@ -331,7 +331,7 @@ class Repairs:
                 failed = [str(r.detail.get("step", "")) for r in rows if r.kind == "step_failed"]
         else:
             try:
-                wf = self._cache.workflow_type(workflow).from_input(None)
+                wf = cls.from_input(None)
             except WorkflowdError as e:
                 raise BadRequest(f"{workflow} needs field values; give a workflow id: {e}") from e
         title = f"{workflow} {workflow_id}" if workflow_id else workflow
