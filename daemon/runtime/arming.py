@@ -219,4 +219,3 @@ class Arms:
                 heapq.heappush(self._heap, entry)
                 raise
             self.disarm(key)
-
