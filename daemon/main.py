@@ -34,7 +34,7 @@ from daemon.runtime.supervise import supervise
 from daemon.service.config import Config, load_config
 from daemon.service.journal import JOURNAL_SOCKET
 from daemon.service.journal import attached as journal_attached
-from daemon.service.log import LogHub, configure_logging
+from daemon.service.log import LogHub, close_logging, configure_logging
 from daemon.service.notify import Notifier, watchdog_loop
 from daemon.store.base import Store
 from daemon.store.sqlite import SQLiteStore
@@ -287,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         # A sync step still hangs in a worker thread past the grace period; the interpreter
         # would wait for it forever. Everything durable is already committed.
         log.warning("daemon_exit_abandoning_threads")
+        close_logging()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

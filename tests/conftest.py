@@ -15,7 +15,7 @@ import structlog
 # Plain asserts in the helpers get pytest's detailed failure messages too.
 pytest.register_assert_rewrite("tests.helpers")
 
-from daemon.service.log import set_level
+from daemon.service.log import close_logging, set_level
 from tests.helpers.memory import MemoryBackend
 
 # A suite started in the background by a non-interactive shell (`pytest &` in a script) has
@@ -44,6 +44,7 @@ def restore_logging() -> Iterator[None]:
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     yield
+    close_logging()
     set_level("info")
     structlog.reset_defaults()
     for handler in root.handlers:

@@ -9,6 +9,7 @@ import pytest
 
 from tests.benchmarks import (
     bench_control,
+    bench_log,
     bench_runtime,
     bench_schedules,
     bench_timers,
@@ -120,3 +121,16 @@ class TestSchedulesBench:
         metrics = {f"{k}_p{p}_ms" for k in ("fire_late", "start_late") for p in (50, 99)}
         _check("bench_schedules", figures, {*metrics, "daemon_cpu_per_fire_us"})
         assert {f["fires"] for f in figures} == {10}
+
+
+class TestLogBench:
+    """bench_log at a tiny size."""
+
+    async def test_figures(self) -> None:
+        """It prints the loop cost of each kind of record."""
+        figures = await bench_log.run(records=300)
+        _check(
+            "bench_log",
+            figures,
+            {"info_record_loop_us", "filtered_debug_record_loop_us", "error_record_us"},
+        )

@@ -65,6 +65,9 @@ class Step(Stmt):
     #: Seconds after which the step fails with TimeoutError (and is retried): an async action
     #: is cancelled; a sync one's thread is abandoned, its worker slot freed.
     timeout: float | None = None
+    #: Run a sync action on the event loop itself, with no thread hand-off: only for trivial
+    #: actions that never block (no I/O, no sleep); `timeout` cannot stop them.
+    inline: bool = False
 
 
 @dataclass(slots=True, eq=False)

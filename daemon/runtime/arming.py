@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -50,7 +51,8 @@ class Arms:
         self._listeners: dict[Key, anyio.CancelScope] = {}
         self._delivering: set[Key] = set()
         self._by_workflow: dict[str, set[Key]] = {}
-        self._wake = anyio.Event()
+        self._sleep: anyio.CancelScope | None = None  # the timer loop's current sleep
+        self._sleeping_until = math.inf
 
     def __len__(self) -> int:
         return len(self._timers) + len(self._listeners)
@@ -93,8 +95,8 @@ class Arms:
             deadline = float(deadline_of(req))
             self._timers[key] = deadline
             heapq.heappush(self._heap, (deadline, next(self._seq), key))
-            if self._heap[0][2] == key:
-                self._wake.set()
+            if self._sleep is not None and deadline < self._sleeping_until:
+                self._sleep.cancel()
         elif listen is not None:
             scope = anyio.CancelScope()
             self._listeners[key] = scope
@@ -186,12 +188,19 @@ class Arms:
         await supervise("timers", self._fire_due, self._until_due)
 
     async def _until_due(self) -> None:
-        """Return once the earliest timer is due, or a new timer may be earlier."""
-        self._wake = anyio.Event()
-        if not self._heap:
-            await self._wake.wait()
-        elif self._heap[0][0] > self._clock.now():
-            await self._sleep_or_wake(self._heap[0][0])
+        """Return once the earliest timer is due, or a new timer may be earlier.
+
+        One cancel scope per sleep, no task: arming an earlier timer cancels the scope.
+        """
+        with anyio.CancelScope() as scope:
+            self._sleep = scope
+            if not self._heap:
+                self._sleeping_until = math.inf
+                await anyio.sleep_forever()
+            else:
+                self._sleeping_until = self._heap[0][0]
+                await self._clock.sleep_until(self._sleeping_until)
+        self._sleep = None
 
     async def _fire_due(self) -> None:
         """Fire every timer that is due now."""
@@ -210,14 +219,3 @@ class Arms:
                 heapq.heappush(self._heap, entry)
                 raise
             self.disarm(key)
-
-    async def _sleep_or_wake(self, deadline: float) -> None:
-        async with anyio.create_task_group() as tg:
-
-            async def sleeper() -> None:
-                await self._clock.sleep_until(deadline)
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(sleeper)
-            await self._wake.wait()
-            tg.cancel_scope.cancel()

@@ -15,6 +15,7 @@ import anyio
 import structlog
 
 from daemon.core.statements import Step
+from daemon.runtime.workers import Workers
 
 log = structlog.get_logger()
 #: Records a history entry of the workflow the step belongs to.
@@ -72,6 +73,8 @@ class Abandoned:
 
 
 ABANDONED = Abandoned()
+#: The worker threads of sync steps; like ABANDONED, threads belong to the process.
+WORKERS = Workers()
 
 
 class _Call:
@@ -108,12 +111,13 @@ async def run_step(
     note: Note,
     run: StepRun | None = None,
     abandoned: Abandoned = ABANDONED,
+    workers: Workers = WORKERS,
 ) -> None:
     """Run a step's action to its end; raise what it raises, TimeoutError past its timeout.
 
     A sync action waits for a slot of `limiter`; its timeout counts from when it has one, and
     past it the slot is freed and the thread abandoned (see _run_sync). `run` is kept up to
-    date for `show`.
+    date for `show`. An `inline` sync action runs right here, on the loop, with no slot.
     """
     run = run or StepRun(step.name)
     started = time.perf_counter()
@@ -122,7 +126,11 @@ async def run_step(
         with _deadline(step.timeout):
             await step.action()
     else:
-        result = await _run_sync(step, limiter, note, run, abandoned)
+        if step.inline:
+            run.running_since = time.time()
+            result = step.action()
+        else:
+            result = await _run_sync(step, limiter, note, run, abandoned, workers)
         if inspect.isawaitable(result):
             with _deadline(step.timeout):
                 await result
@@ -136,7 +144,12 @@ def _deadline(timeout: float | None) -> contextlib.AbstractContextManager[Any]:
 
 
 async def _run_sync(
-    step: Step, limiter: anyio.CapacityLimiter, note: Note, run: StepRun, abandoned: Abandoned
+    step: Step,
+    limiter: anyio.CapacityLimiter,
+    note: Note,
+    run: StepRun,
+    abandoned: Abandoned,
+    workers: Workers,
 ) -> object:
     """Run a sync action in a worker thread, holding one slot of `limiter` while it runs.
 
@@ -152,10 +165,7 @@ async def _run_sync(
         call = _Call(step.action, abandoned)
         try:
             with _deadline(step.timeout):
-                # The slot is `limiter`, held above; the thread call needs none of its own.
-                return await anyio.to_thread.run_sync(
-                    call, limiter=anyio.CapacityLimiter(1), abandon_on_cancel=True
-                )
+                return await workers.run(call)
         except TimeoutError:
             if not call.abandon():
                 raise

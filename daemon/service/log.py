@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import datetime
 import logging
 import sys
 import threading
+import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TextIO
 
@@ -19,21 +22,8 @@ from structlog.typing import EventDict, Processor, WrappedLogger
 from daemon.service.journal import JournalLogger, JournalRenderer
 
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
-# Method names structlog passes to processors, mapped to their level.
-_METHOD_LEVELS = {**LEVELS, "warn": 30, "exception": 40, "fatal": 50}
 _level = [LEVELS["info"]]  # mutable so set_level reaches loggers that are already cached
 _handler: list[logging.Handler] = []
-
-
-def _drop_below_level(_: WrappedLogger, method: str, event_dict: EventDict) -> EventDict:
-    """Drop events under the current level.
-
-    make_filtering_bound_logger alone cannot do this: cached loggers keep the wrapper class they
-    were first built with, so a SIGHUP could never lower the level of an existing logger.
-    """
-    if _METHOD_LEVELS.get(method, 20) < _level[0]:
-        raise structlog.DropEvent
-    return event_dict
 
 
 #: Types JSON holds as they are (exactly these: subclasses such as enums go through _jsonable).
@@ -71,6 +61,7 @@ class _Subscription:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.get_ident()
         self._wakeup = asyncio.Event()
+        self._wake_pending = False  # a wake-up from another thread is on its way
 
     def wants(self, record: dict[str, Any]) -> bool:
         return self.workflow_id is None or record.get("workflow_id") == self.workflow_id
@@ -85,9 +76,16 @@ class _Subscription:
         if threading.get_ident() == self._thread:
             self._wakeup.set()
             return
-        # Stdlib records may come from aiosqlite's thread; anyio's from_thread would block it.
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is reading any more
-            self._loop.call_soon_threadsafe(self._wakeup.set)
+        # Records come from the log writer's thread (and aiosqlite's); one wake-up per batch,
+        # not one per record. anyio's from_thread would block the sender.
+        if not self._wake_pending:
+            self._wake_pending = True
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is reading any more
+                self._loop.call_soon_threadsafe(self._woken)
+
+    def _woken(self) -> None:
+        self._wake_pending = False
+        self._wakeup.set()
 
     async def records(self) -> AsyncGenerator[dict[str, Any], None]:
         while True:
@@ -121,6 +119,7 @@ class LogHub:
 
     def recent(self, workflow_id: str | None = None) -> list[dict[str, Any]]:
         """Return the buffered records (of one workflow if given), oldest first."""
+        flush_logs()  # records still queued for the writer were logged before this call
         with self._lock:
             records = list(self._buffer)
         return [r for r in records if workflow_id is None or r.get("workflow_id") == workflow_id]
@@ -130,6 +129,7 @@ class LogHub:
         self, workflow_id: str | None = None
     ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
         """Yield an iterator over the buffered records, then live ones (of one workflow if given)."""
+        flush_logs()
         with self._lock:
             sub = _Subscription(workflow_id, self._limit, list(self._buffer))
             self._subs.add(sub)
@@ -150,6 +150,157 @@ class LogHub:
         plain = _PLAIN.issuperset(map(type, record.values()))
         self.publish(record if plain else _jsonable(record))
         return event_dict
+
+
+class _Batcher:
+    """Hands records from the event loop to one writer thread, which renders and writes batches.
+
+    Rendering and writing cost the loop nothing: it only queues the event dict and wakes the
+    writer once per loop turn. Records from outside a loop (worker threads, start-up, tests) and
+    error records are written at once, after whatever is still queued, so nothing is reordered.
+    """
+
+    def __init__(self, emit: Callable[[list[tuple[str, EventDict]]], None]) -> None:
+        self._emit = emit
+        self._queue: deque[tuple[str, EventDict]] = deque()
+        self._lock = threading.Lock()  # one writer at a time, in queue order
+        self._wake = threading.Event()
+        self._kick_pending = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="workflowd-log", daemon=True)
+        self._thread.start()
+
+    def put(self, method: str, event_dict: EventDict) -> None:
+        """Queue one record; the writer takes it at the end of this loop turn."""
+        self._queue.append((method, event_dict))
+        loop = _running_loop()
+        if loop is None or self._closed:
+            self.flush()
+        elif not self._kick_pending:
+            self._kick_pending = True
+            loop.call_soon(self._kick)
+        elif len(self._queue) >= _BATCH and not self._wake.is_set():
+            self._wake.set()
+
+    def put_now(self, method: str, event_dict: EventDict) -> None:
+        """Write one record at once, after everything queued before it."""
+        self._queue.append((method, event_dict))
+        self.flush()
+
+    def _kick(self) -> None:
+        self._kick_pending = False
+        self._wake.set()
+
+    def flush(self) -> None:
+        """Write everything queued so far, on the calling thread."""
+        with self._lock:
+            while self._queue:
+                batch = [self._queue.popleft() for _ in range(min(len(self._queue), _BATCH))]
+                self._emit(batch)
+
+    def close(self) -> None:
+        """Write what is queued and stop the writer; later records are written at once."""
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+        self.flush()
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._wake.wait()
+            self._wake.clear()
+            try:
+                self.flush()
+            except Exception:  # a broken stream must not kill the writer; the next batch retries
+                logging.getLogger(__name__).debug("log_write_failed", exc_info=True)
+
+
+#: Records rendered and written together at most; also wakes the writer early.
+_BATCH = 512
+
+
+#: The event loop running on this thread, or None; no exception to catch, unlike
+#: asyncio.get_running_loop.
+_running_loop = asyncio._get_running_loop
+
+
+class _Queued:
+    """The logger structlog calls last: its every method queues (method, event dict)."""
+
+    def __init__(self, batcher: _Batcher) -> None:
+
+        self.msg = self.debug = self.info = self.warning = self.warn = batcher.put
+        # Errors are written at once: they are what an operator reads after a crash.
+        self.error = self.critical = self.exception = self.fatal = batcher.put_now
+
+    def __call__(self, *args: Any) -> _Queued:
+        """Act as its own logger factory."""
+        return self
+
+
+def _hand_over(_: WrappedLogger, method: str, event_dict: EventDict) -> Any:
+    """End the loop-side chain: note the time and pass the raw event dict on to _Queued."""
+    event_dict["timestamp"] = time.time()  # rendered as ISO 8601 by _iso_time, off the loop
+    if event_dict.get("exc_info") is True:  # must be taken now, on the thread that caught it
+        event_dict["exc_info"] = sys.exc_info()
+    return (method, event_dict), {}
+
+
+def _iso_time(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:
+    """Render the Unix time _hand_over took as ISO 8601 UTC, as TimeStamper(fmt="iso") does."""
+    stamp = event_dict.get("timestamp")
+    if isinstance(stamp, float):
+        when = datetime.datetime.fromtimestamp(stamp, datetime.UTC)
+        event_dict["timestamp"] = when.isoformat().replace("+00:00", "Z")
+    return event_dict
+
+
+class _Leveled(structlog.BoundLoggerBase):
+    """A bound logger that drops records under the current level before any processor runs."""
+
+    def debug(self, event: str | None = None, **kw: Any) -> Any:
+        return None if _level[0] > 10 else self._proxy_to_logger("debug", event, **kw)
+
+    def info(self, event: str | None = None, **kw: Any) -> Any:
+        return None if _level[0] > 20 else self._proxy_to_logger("info", event, **kw)
+
+    def warning(self, event: str | None = None, **kw: Any) -> Any:
+        return None if _level[0] > 30 else self._proxy_to_logger("warning", event, **kw)
+
+    warn = warning
+
+    def error(self, event: str | None = None, **kw: Any) -> Any:
+        return None if _level[0] > 40 else self._proxy_to_logger("error", event, **kw)
+
+    def exception(self, event: str | None = None, **kw: Any) -> Any:
+        kw.setdefault("exc_info", True)
+        return None if _level[0] > 40 else self._proxy_to_logger("error", event, **kw)
+
+    def critical(self, event: str | None = None, **kw: Any) -> Any:
+        return self._proxy_to_logger("critical", event, **kw)
+
+    fatal = critical
+
+    def log(self, level: int, event: str | None = None, **kw: Any) -> Any:
+        name = logging.getLevelName(level).lower()
+        return None if level < _level[0] else self._proxy_to_logger(name, event, **kw)
+
+
+_batcher: list[_Batcher] = []
+_atexit_registered: list[object] = []
+
+
+def flush_logs() -> None:
+    """Write every queued record now (before os._exit, which skips atexit)."""
+    for batcher in _batcher:
+        batcher.flush()
+
+
+def close_logging() -> None:
+    """Write every queued record and stop the writer thread; later records are written at once."""
+    for batcher in _batcher:
+        batcher.close()
+    _batcher.clear()
 
 
 def configure_logging(
@@ -178,14 +329,38 @@ def configure_logging(
     ]
     tail: list[Processor] = [structlog.processors.dict_tracebacks] if as_json else []
     tail += [hub.processor] if hub is not None else []
-    last: Processor = renderer if journal is None else JournalRenderer(renderer)
+    sink = JournalLogger(out, journal) if journal is not None else None
+    last: Processor = renderer if sink is None else JournalRenderer(renderer)
+    back = [structlog.processors.add_log_level, _iso_time, *tail, last]
+
+    def emit(batch: list[tuple[str, EventDict]]) -> None:
+        lines: list[str] = []
+        for method, event_dict in batch:
+            rendered: Any = event_dict
+            try:
+                for proc in back:
+                    rendered = proc(None, method, rendered)
+            except structlog.DropEvent:
+                continue
+            if sink is None:
+                lines.append(rendered)
+            else:
+                (line,), kw = rendered
+                sink.msg(line, **kw)
+        if lines:
+            out.write("\n".join(lines) + "\n")
+            out.flush()
+
+    close_logging()
+    batcher = _Batcher(emit)
+    _batcher[:] = [batcher]
+    if not _atexit_registered:
+        _atexit_registered.append(atexit.register(close_logging))
     structlog.configure(
-        processors=[_drop_below_level, *shared, *tail, last],
-        # Filtering happens in _drop_below_level, so the wrapper lets every level through.
-        wrapper_class=structlog.make_filtering_bound_logger(logging.NOTSET),
-        logger_factory=(
-            structlog.PrintLoggerFactory(out) if journal is None else JournalLogger(out, journal)
-        ),
+        # The loop-side chain stays short: context and the time are taken now, the rest later.
+        processors=[structlog.contextvars.merge_contextvars, _hand_over],
+        wrapper_class=_Leveled,
+        logger_factory=_Queued(batcher),
         cache_logger_on_first_use=cache,
     )
     handler = logging.StreamHandler(out)
@@ -200,8 +375,8 @@ def configure_logging(
         )
     )
     root = logging.getLogger()
-    for old in _handler:
-        root.removeHandler(old)
+    for old_handler in _handler:
+        root.removeHandler(old_handler)
     _handler[:] = [handler]
     root.addHandler(handler)
     set_level(level)

@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 import structlog
 
-from daemon.service.log import LogHub, configure_logging
+from daemon.service.log import LogHub, close_logging, configure_logging
 from tests.helpers.client import connect
 from tests.helpers.harness import Daemon, running_daemon
 
@@ -37,6 +37,7 @@ def production_logging(cache: bool = True) -> Iterator[None]:
         try:
             yield
         finally:
+            close_logging()
             structlog.configure(**saved)
             for h in root.handlers[:]:
                 if h not in handlers:

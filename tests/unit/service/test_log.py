@@ -14,7 +14,8 @@ import anyio
 import pytest
 import structlog
 
-from daemon.service.log import LogHub, configure_logging, set_level
+from daemon.service.log import LogHub, close_logging, configure_logging, flush_logs, set_level
+from tests.helpers.wait import until
 
 # Every test here configures logging; the fixture (tests/conftest.py) undoes it afterwards.
 pytestmark = pytest.mark.usefixtures("restore_logging")
@@ -199,6 +200,7 @@ class TestLogHub:
                 assert (await take(fast, 1))[0]["n"] == n
             for n in range(3, 50):
                 log.info("e", n=n)
+            flush_logs()
             assert len(lines(out)) == 50
             got = await take(slow, 4)
             assert [r.get("n") for r in got[:3]] == [0, 1, 2]
@@ -215,3 +217,64 @@ class TestLogHub:
             await take(records, 1)
         hub.publish({"event": "y"})
         assert not hub._subs
+
+
+class _CountingStream(io.StringIO):
+    """A stream that counts its write calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def write(self, s: str) -> int:
+        self.writes += 1
+        return super().write(s)
+
+
+class TestBatching:
+    async def test_one_write_per_loop_turn(self) -> None:
+        """Records logged in one loop turn reach the stream together, in one write, in order."""
+        out = _CountingStream()
+        configure_logging("info", "json", out, cache=False)
+        log = structlog.get_logger()
+        for n in range(100):
+            log.info("e", n=n)
+        assert out.writes == 0  # nothing rendered or written on the loop yet
+        await until(lambda: len(lines(out)) == 100, limit_s=5)
+        assert [r["n"] for r in lines(out)] == list(range(100))
+        assert out.writes == 1
+
+    async def test_errors_are_written_at_once_after_what_was_queued(self) -> None:
+        """An error record is on the stream when the call returns, after the records before it."""
+        out = io.StringIO()
+        configure_logging("info", "json", out, cache=False)
+        log = structlog.get_logger()
+        log.info("before")
+        log.error("broke", n=1)
+        assert [r["event"] for r in lines(out)] == ["before", "broke"]
+
+    async def test_close_writes_what_is_queued(self) -> None:
+        """A clean stop (close_logging, also run at exit) loses no queued record."""
+        out = io.StringIO()
+        configure_logging("info", "json", out, cache=False)
+        for n in range(10):
+            structlog.get_logger().info("e", n=n)
+        close_logging()
+        assert len(lines(out)) == 10
+        structlog.get_logger().info("after")  # written at once once the writer is gone
+        assert lines(out)[-1]["event"] == "after"
+
+    async def test_levels_are_filtered_before_any_processor(self) -> None:
+        """A record under the level never reaches a processor (nothing is rendered for it)."""
+        seen: list[str] = []
+        configure_logging("info", "json", io.StringIO(), cache=False)
+
+        def spy(_: Any, __: str, event_dict: Any) -> Any:
+            seen.append(event_dict["event"])
+            return event_dict
+
+        config = structlog.get_config()
+        structlog.configure(processors=[spy, *config["processors"]])
+        structlog.get_logger().debug("hidden")
+        structlog.get_logger().info("shown")
+        assert seen == ["shown"]

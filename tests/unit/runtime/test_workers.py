@@ -1,0 +1,80 @@
+"""Tests for daemon.runtime.workers: reused threads, batched completions, context, cancel."""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+
+import anyio
+import pytest
+
+from daemon.core.statements import Step
+from daemon.runtime.steps import StepRun, run_step
+from daemon.runtime.workers import Workers
+from tests.helpers.wait import until
+
+_var: contextvars.ContextVar[str] = contextvars.ContextVar("test_var", default="unset")
+
+
+class TestWorkers:
+    async def test_sequential_jobs_reuse_one_thread(self) -> None:
+        """A thread that finishes a job takes the next; none is started per call."""
+        workers = Workers()
+        try:
+            names = [await workers.run(lambda: threading.current_thread().name) for _ in range(50)]
+            assert workers.threads == 1
+            assert set(names) == {"workflowd-step"}
+            assert threading.current_thread().name not in names
+        finally:
+            workers.close()
+        await until(lambda: workers.threads == 0, limit_s=5)
+
+    async def test_grows_while_jobs_block(self) -> None:
+        """Jobs that block at once each get a thread of their own, and all run together."""
+        workers = Workers()
+        barrier = threading.Barrier(4, timeout=10)
+        try:
+            async with anyio.create_task_group() as tg:
+                for _ in range(4):
+                    tg.start_soon(workers.run, barrier.wait)
+            assert workers.threads == 4
+        finally:
+            workers.close()
+
+    async def test_results_errors_and_context(self) -> None:
+        """A job sees the caller's context vars; its value or its exception comes back."""
+        workers = Workers()
+        _var.set("caller")
+        try:
+            assert await workers.run(_var.get) == "caller"
+
+            def boom() -> None:
+                raise KeyError("k")
+
+            with pytest.raises(KeyError):
+                await workers.run(boom)
+        finally:
+            workers.close()
+
+    async def test_cancelled_caller_drops_the_result(self) -> None:
+        """Cancelling the caller stops the wait; the thread finishes and takes later jobs."""
+        workers = Workers()
+        release = threading.Event()
+        try:
+            with anyio.move_on_after(0.05):
+                await workers.run(lambda: release.wait(10))
+            release.set()
+            assert await workers.run(lambda: 7) == 7
+        finally:
+            workers.close()
+
+
+class TestInlineSteps:
+    async def test_inline_sync_step_runs_on_the_loop(self) -> None:
+        """`Step(..., inline=True)` runs its sync action on the loop thread, with no slot."""
+        seen: list[str] = []
+        limiter = anyio.CapacityLimiter(1)
+        step = Step("quick", lambda: seen.append(threading.current_thread().name), inline=True)
+        async with limiter:  # every slot taken: an inline step does not need one
+            await run_step(step, limiter=limiter, note=lambda *_: None, run=StepRun("quick"))
+        assert seen == [threading.current_thread().name]
