@@ -223,6 +223,7 @@ class TestSystemdDirectories:
         assert cfg.daemon.socket == Path("/run/workflowd/workflowd.sock")
         assert cfg.daemon.allowed_groups == (4242,)
         assert cfg.workflows.paths == (REPO / "systemd" / "workflows",)
+        assert "daemon.examples" not in cfg.workflows.modules  # they act on clients' paths
         assert cfg.store.retention_interval_s == 3600.0
 
 
