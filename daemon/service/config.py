@@ -38,6 +38,8 @@ class DaemonConfig:
     max_connections: int = _opt("int", 256, min=1)
     idle_timeout_s: float = _opt("float", 300.0, gt=0)
     shutdown_grace_s: float = _opt("float", 10.0, min=0)
+    #: The group (name or gid, resolved at load) a socket the daemon binds itself is given.
+    socket_group: int | None = _opt("group", None)
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,17 @@ class StoreConfig:
     keep_finished_days: int = _opt("int", 30, min=0)
     #: How often retention runs (it also runs at start).
     retention_interval_s: float = _opt("float", 3600.0, gt=0)
+    #: The only folder `backup` writes to; None: `backups/` beside the database (see `backups`).
+    backup_dir: Path | None = field(default=None, metadata={"kind": "path"})
+    #: Backups kept in `backup_dir`; a new one beyond this deletes the oldest.
+    backup_keep: int = _opt("int", 7, min=1)
+    #: A backup that would leave less free space than this on its disk is refused.
+    min_free_bytes: int = _opt("int", 64 << 20, min=0)
+
+    @property
+    def backups(self) -> Path:
+        """Return the folder backups go to: `backup_dir`, else `backups/` beside the database."""
+        return self.backup_dir or self.path.parent / "backups"
 
 
 @dataclass(frozen=True)
@@ -150,7 +163,11 @@ def _section(cls: type[Any], name: str, table: dict[str, Any], path: Path, base:
             raise ConfigError(f"{where}: {e}") from None
     for key, f in fields.items():
         # Default relative paths resolve against the config file's folder, like given ones.
-        if key not in values and f.metadata["kind"] in ("path", "socket", "paths"):
+        if (
+            key not in values
+            and f.default is not None
+            and f.metadata["kind"] in ("path", "socket", "paths")
+        ):
             values[key] = _convert(_unparse(f.default), dict(f.metadata), base)
     return cls(**values)
 
@@ -179,6 +196,8 @@ def _convert(value: Any, meta: dict[str, Any], base: Path) -> Any:
         if not isinstance(value, str) or not re.fullmatch(r"0?[0-7]{3}", value):
             raise ValueError(f'expected an octal string like "0660", got {value!r}')
         return int(value, 8)
+    if kind == "group":
+        return _gid(value)
     if kind in ("path", "socket"):
         p = _path(value, base)
         if kind == "socket" and len(os.fsencode(p)) > _SUN_PATH_MAX:

@@ -55,6 +55,8 @@ class TestDefaults:
         assert cfg.runtime.max_concurrent_steps == 3
         assert cfg.runtime.retry_initial_s == 1.0
         assert cfg.store.path == tmp_path / "state" / "workflowd.db"
+        assert cfg.store.backups == tmp_path / "state" / "backups"  # beside the database
+        assert (cfg.store.backup_keep, cfg.store.min_free_bytes) == (7, 64 << 20)
 
     def test_values_are_converted(self, tmp_path: Path) -> None:
         """Ints are accepted for floats, lists become tuples and group names become gids."""
@@ -224,6 +226,7 @@ class TestSystemdDirectories:
         assert cfg.daemon.allowed_groups == (4242,)
         assert cfg.workflows.paths == (REPO / "systemd" / "workflows",)
         assert "daemon.examples" not in cfg.workflows.modules  # they act on clients' paths
+        assert cfg.store.backups == Path("/var/lib/workflowd/backups")
         assert cfg.store.retention_interval_s == 3600.0
 
 
