@@ -140,6 +140,7 @@ async def run_daemon(
                 socket_path=None if listener else d.socket,
                 listener=listener,
                 socket_mode=d.socket_mode,
+                socket_group=d.socket_group,
                 allowed_uids=d.allowed_uids,
                 allowed_groups=d.allowed_groups,
                 max_request_bytes=d.max_request_bytes,

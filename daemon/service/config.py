@@ -39,7 +39,7 @@ class DaemonConfig:
     idle_timeout_s: float = _opt("float", 300.0, gt=0)
     shutdown_grace_s: float = _opt("float", 10.0, min=0)
     #: The group (name or gid, resolved at load) a socket the daemon binds itself is given.
-    socket_group: int | None = _opt("group", None)
+    socket_group: int | None = _opt("socket_group", None)
 
 
 @dataclass(frozen=True)
@@ -196,8 +196,8 @@ def _convert(value: Any, meta: dict[str, Any], base: Path) -> Any:
         if not isinstance(value, str) or not re.fullmatch(r"0?[0-7]{3}", value):
             raise ValueError(f'expected an octal string like "0660", got {value!r}')
         return int(value, 8)
-    if kind == "group":
-        return _gid(value)
+    if kind == "socket_group":
+        return _own_gid(value)
     if kind in ("path", "socket"):
         p = _path(value, base)
         if kind == "socket" and len(os.fsencode(p)) > _SUN_PATH_MAX:
@@ -246,6 +246,16 @@ def _gid(value: Any) -> int:
         except KeyError:
             raise ValueError(f"unknown group {value!r}") from None
     return _bounded(_int(value), {"min": 0})  # type: ignore[no-any-return]
+
+
+def _own_gid(value: Any) -> int:
+    """Resolve a group the daemon must be able to give its socket to (root: any; else its own)."""
+    gid = _gid(value)
+    if os.geteuid() != 0 and gid not in {os.getegid(), *os.getgroups()}:
+        raise ValueError(
+            f"the daemon (uid {os.geteuid()}) is not in group {value!r}, so cannot chown to it"
+        )
+    return gid
 
 
 def _path(value: Any, base: Path) -> Path:
