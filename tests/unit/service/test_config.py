@@ -224,6 +224,7 @@ class TestSystemdDirectories:
         assert cfg.store.path == Path("/var/lib/workflowd/workflowd.db")
         assert cfg.daemon.socket == Path("/run/workflowd/workflowd.sock")
         assert cfg.daemon.allowed_groups == (4242,)
+        assert cfg.daemon.socket_group == 4242
         assert cfg.workflows.paths == (REPO / "systemd" / "workflows",)
         assert "daemon.examples" not in cfg.workflows.modules  # they act on clients' paths
         assert cfg.store.backups == Path("/var/lib/workflowd/backups")
