@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 import structlog
 
-from daemon.errors import BadRequest, Unavailable
+from daemon.errors import BadRequest, Conflict, Unavailable
 from daemon.store.base import Store
 
 log = structlog.get_logger()
@@ -70,7 +70,13 @@ class Backups:
             with _open_folder(policy.dir) as dfd:
                 await anyio.to_thread.run_sync(_check_space, dfd, self._store.path, policy)
                 # Through our descriptor of the folder we checked, whatever its path names now.
-                size = await self._store.backup(Path(f"/proc/self/fd/{dfd}") / file)
+                via = Path(f"/proc/self/fd/{dfd}")
+                try:
+                    size = await self._store.backup(via / file)
+                except Conflict:
+                    raise Conflict(f"{policy.dir / file} exists; pick a new name") from None
+                except BadRequest as e:  # the name was fine: the disk or the folder failed
+                    raise Unavailable(str(e).replace(str(via), str(policy.dir))) from None
                 deleted = await anyio.to_thread.run_sync(_prune, dfd, file, policy.keep)
         path = policy.dir / file
         log.info("backup_written", path=str(path), bytes=size, deleted=deleted)

@@ -13,6 +13,7 @@ import anyio
 import pytest
 
 from daemon import State
+from tests.helpers.disk import small_disk
 from tests.helpers.harness import REPO, running_daemon
 from tests.helpers.wait import settled, shown_when
 from tests.workflows.e2e import Turnstile
@@ -135,6 +136,17 @@ class TestBackup:
         assert "min_free_bytes" in response["error"]["message"]
         assert listing(tmp_path / "backups") == []
 
+    async def test_small_disk_keeps_room_for_the_daemon(self, tmp_path: Path) -> None:
+        """On a 16 MiB disk the default 64 MiB reserve refuses every backup; the daemon writes on."""
+        async with small_disk(tmp_path / "disk") as disk:
+            store = {"path": str(disk / "wd.db")}
+            async with running_daemon(tmp_path, MODULES, store=store) as d, d.client() as c:
+                refused = [await c.request("backup", name=f"b{n}") for n in range(12)]
+                started = await c.call("start", workflow="Turnstile", workflow_id="after")
+                backups = listing(disk / "backups")
+        assert {r["error"]["code"] for r in refused} == {"unavailable"}
+        assert started["created"] is True and backups == []
+
     async def test_planted_link_is_not_followed(self, tmp_path: Path) -> None:
         """A link at the backup's name is `conflict`: the file it points to is not replaced."""
         folder, target = tmp_path / "bk", tmp_path / "victim.db"
@@ -147,6 +159,7 @@ class TestBackup:
             evil = await c.request("backup", name="evil")
             gone = await c.request("backup", name="gone")
         assert evil["error"]["code"] == gone["error"]["code"] == "conflict"
+        assert evil["error"]["message"] == f"{folder / 'evil.db'} exists; pick a new name"
         assert target.read_bytes() == b"precious"
         assert not (tmp_path / "nowhere").exists()
         assert listing(folder) == ["evil.db", "gone.db"]  # no temporary file left either
