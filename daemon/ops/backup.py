@@ -77,7 +77,9 @@ class Backups:
                     raise Conflict(f"{policy.dir / file} exists; pick a new name") from None
                 except BadRequest as e:  # the name was fine: the disk or the folder failed
                     raise Unavailable(str(e).replace(str(via), str(policy.dir))) from None
-                deleted = await anyio.to_thread.run_sync(_prune, dfd, file, policy.keep)
+                deleted = await anyio.to_thread.run_sync(
+                    _prune, dfd, file, policy.keep, self._store.path
+                )
         path = policy.dir / file
         log.info("backup_written", path=str(path), bytes=size, deleted=deleted)
         return {"name": file, "path": str(path), "bytes": size, "deleted": deleted}
@@ -127,14 +129,19 @@ def _check_space(dfd: int, db: Path, policy: BackupPolicy) -> None:
         )
 
 
-def _prune(dfd: int, written: str, keep: int) -> list[str]:
+def _prune(dfd: int, written: str, keep: int, db: Path) -> list[str]:
     """Delete the oldest backups beyond `keep` (never `written`), and dead temporary files."""
     backups: list[tuple[int, str]] = []
     now = time.time()
+    try:
+        live = os.stat(db)
+        spare = {(live.st_dev, live.st_ino)}  # the database itself, should it be linked in here
+    except FileNotFoundError:
+        spare = set()
     with os.scandir(dfd) as entries:
         for entry in entries:
             st = entry.stat(follow_symlinks=False)
-            if not stat.S_ISREG(st.st_mode):
+            if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) in spare:
                 continue  # links and folders are nobody's backup: left alone
             if entry.name.startswith(".") and entry.name.endswith(".tmp"):
                 if now - st.st_mtime > STALE_TMP_S:

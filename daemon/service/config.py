@@ -143,6 +143,10 @@ def parse_config(raw: Mapping[str, Any], path: Path) -> Config:
     parts = {
         name: _section(cls, name, raw.get(name, {}), path, base) for name, cls in _SECTIONS.items()
     }
+    store: StoreConfig = parts["store"]
+    if store.backups == store.path.parent:
+        # Old backups there are deleted beyond backup_keep; the database must not be among them.
+        raise ConfigError(f"{path}: [store] backup_dir: must not be the database's own folder")
     runtime: RuntimeConfig = parts["runtime"]
     if runtime.retry_max_s < runtime.retry_initial_s:
         raise ConfigError(f"{path}: [runtime] retry_max_s: must be >= retry_initial_s")

@@ -169,6 +169,16 @@ class TestErrors:
             ),
             ('[workflows]\nmodules = "a"', "[workflows] modules: expected a list, got 'a'"),
             ("[workflows]\npaths = [1]", "[workflows] paths: expected a path string, got 1"),
+            (
+                '[store]\npath = "db/wd.db"\nbackup_dir = "db"',
+                "[store] backup_dir: must not be the database's own folder",
+            ),
+            ("[store]\nbackup_keep = 0", "[store] backup_keep: must be >= 1, got 0"),
+            ("[store]\nmin_free_bytes = -1", "[store] min_free_bytes: must be >= 0, got -1"),
+            (
+                '[daemon]\nsocket_group = "no-such-group-xyz"',
+                "[daemon] socket_group: unknown group 'no-such-group-xyz'",
+            ),
         ],
     )
     def test_bad_value_names_the_key(self, tmp_path: Path, text: str, expected: str) -> None:
