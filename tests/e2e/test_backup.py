@@ -119,11 +119,13 @@ class TestBackup:
         store = {"backup_dir": str(folder), "backup_keep": 2}
         async with running_daemon(tmp_path, MODULES, store=store) as d, d.client() as c:
             results = [await c.call("backup", name=n) for n in ("mon", "tue", "wed")]
+            thu = await workflowctl(d.socket, "backup", "thu")
         assert [r["deleted"] for r in results] == [[], [], ["mon.db"]]
         assert [r["path"] for r in results] == [
             str(folder / f"{n}.db") for n in ("mon", "tue", "wed")
         ]
-        assert listing(folder) == ["link.db", "notes.txt", "tue.db", "wed.db"]
+        assert thu.returncode == 0 and b"; deleted the oldest: tue.db" in thu.stdout, thu
+        assert listing(folder) == ["link.db", "notes.txt", "thu.db", "wed.db"]
         assert (folder / "link.db").is_symlink() and (tmp_path / "wd.db").exists()
 
     async def test_refused_when_the_disk_would_fill(self, tmp_path: Path) -> None:
