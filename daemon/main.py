@@ -24,7 +24,7 @@ from daemon.core.schedule import Schedule
 from daemon.core.workflow import Workflow
 from daemon.errors import ConfigError, StoreLocked, StoreUnusable, ValidationError
 from daemon.identity import refuse_foreign
-from daemon.ops.backup import backup
+from daemon.ops.backup import BackupPolicy, Backups
 from daemon.ops.modules import load_registry, schedules_of
 from daemon.ops.reload import Reloader, settings_of
 from daemon.ops.repairs import Repairs
@@ -36,7 +36,6 @@ from daemon.service.journal import JOURNAL_SOCKET
 from daemon.service.journal import attached as journal_attached
 from daemon.service.log import LogHub, close_logging, configure_logging
 from daemon.service.notify import Notifier, watchdog_loop
-from daemon.store.base import Store
 from daemon.store.sqlite import SQLiteStore
 
 log = structlog.get_logger()
@@ -50,16 +49,22 @@ GC_THRESHOLD = 10_000
 class DaemonOps:
     """The control socket's `reload` and `backup`."""
 
-    def __init__(self, reloader: Reloader, store: Store) -> None:
-        self.reloader, self.store = reloader, store
+    def __init__(self, reloader: Reloader, backups: Backups) -> None:
+        self.reloader, self.backups = reloader, backups
 
     async def reload(self) -> dict[str, Any]:
         """Reload as SIGHUP does."""
         return await self.reloader.reload()
 
-    async def backup(self, path: str) -> dict[str, Any]:
-        """Copy the database to a new file at the absolute `path`."""
-        return await backup(self.store, path)
+    async def backup(self, name: str) -> dict[str, Any]:
+        """Copy the database to `<[store] backup_dir>/<name>.db`."""
+        return await self.backups.backup(name)
+
+
+def backup_policy(cfg: Config) -> BackupPolicy:
+    """Map the `[store]` backup keys onto the backup policy."""
+    s = cfg.store
+    return BackupPolicy(dir=s.backups, keep=s.backup_keep, min_free_bytes=s.min_free_bytes)
 
 
 async def run_daemon(
@@ -135,13 +140,17 @@ async def run_daemon(
                 socket_path=None if listener else d.socket,
                 listener=listener,
                 socket_mode=d.socket_mode,
+                socket_group=d.socket_group,
                 allowed_uids=d.allowed_uids,
                 allowed_groups=d.allowed_groups,
                 max_request_bytes=d.max_request_bytes,
                 max_connections=d.max_connections,
                 idle_timeout=d.idle_timeout_s,
                 repairs=repairs,
-                ops=DaemonOps(reloader, store),
+                ops=DaemonOps(
+                    reloader,
+                    Backups(store=store, policy=lambda: backup_policy(reloader.cfg)),
+                ),
                 schedules=timetable,
             )
             control = anyio.CancelScope()

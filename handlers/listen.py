@@ -1,7 +1,8 @@
 """SocketListen: a Wait case fired by one message on a Unix or TCP socket; the sender gets the reply.
 
 The listener exists only while `listen` runs; OneShot serves its clients.
-A Unix socket file gets mode 0o660; a stale one is replaced, a live one never.
+A Unix socket file gets mode 0o660. A stale socket of the daemon's own uid is replaced; a live
+one, another uid's, or a file that is no socket is never touched (the path may be a client's).
 """
 
 from __future__ import annotations
@@ -9,12 +10,13 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import socket
 import stat
 from typing import Any
 
 import anyio
 import msgspec
-from anyio.abc import Listener, SocketStream
+from anyio.abc import Listener, SocketListener, SocketStream
 
 from daemon.core.handler import CallbackRequest, Deliver
 
@@ -110,33 +112,71 @@ async def _bind(addr: _Address) -> tuple[Listener[SocketStream], int | None]:
         # anyio sets SO_REUSEADDR, so a restart rebinds at once.
         tcp = await anyio.create_tcp_listener(local_host=addr.host, local_port=addr.port or 0)
         return tcp, None
-    # anyio removes any socket file it finds: never steal a live one, but give the
-    # previous wait on this path a moment to finish answering its client.
+    path = addr.path
+    _check_ours(path)  # not a socket, or another uid's: refused at once, live or not
+    # Never steal a live socket, but give the previous wait on this path a moment to finish
+    # answering its client.
     live = True
     with anyio.move_on_after(HANDOVER_S):
-        while live := await _is_live(addr.path):  # noqa: ASYNC110 - a socket has no event to wait on
+        while live := await _is_live(path):  # noqa: ASYNC110 - a socket has no event to wait on
             await anyio.sleep(0.02)
     if live:
-        raise OSError(errno.EADDRINUSE, "another process listens on this socket", addr.path)
-    # anyio binds in a worker thread it abandons on cancel, leaving the socket file
-    # behind: let the (quick) bind finish, so listen's cleanup removes the file.
-    with anyio.CancelScope(shield=True):
-        unix = await anyio.create_unix_listener(addr.path)
+        raise OSError(errno.EADDRINUSE, "another process listens on this socket", path)
+    stale = _check_ours(path)
+    if stale is not None:
+        _unlink(path, stale)
+    # Bound here rather than by anyio's create_unix_listener, which first removes whatever
+    # socket it finds at the path, whoever owns it; bind() itself never replaces a file.
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
         try:
-            os.chmod(addr.path, 0o660)
-            return unix, os.stat(addr.path).st_ino
-        except FileNotFoundError:
-            await unix.aclose()
-    # The wait was torn down while binding and its teardown removed the file: end quietly.
-    await anyio.lowlevel.checkpoint_if_cancelled()
-    raise FileNotFoundError(errno.ENOENT, "socket file removed while binding", addr.path)
+            raw.bind(path)
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+            raise FileExistsError(
+                errno.EEXIST, "a file appeared at the socket path; left alone", path
+            ) from None
+        inode = os.lstat(path).st_ino
+        os.chmod(path, 0o660)
+        raw.listen(128)
+        raw.setblocking(False)
+        return await SocketListener.from_socket(raw), inode
+    except BaseException:
+        raw.close()
+        raise
+
+
+def _check_ours(path: str) -> int | None:
+    """Return the inode of the socket of our uid at `path` (None if nothing is there).
+
+    Raise FileExistsError, leaving the file alone, if it is anything else: a regular file, a
+    link, or a socket of another uid. The path comes from workflow code and may be a client's
+    choice, so the listener takes over no file it did not make.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise FileExistsError(
+            errno.EEXIST, "a file that is not a socket is at the socket path; left alone", path
+        )
+    if st.st_uid != os.geteuid():
+        raise FileExistsError(
+            errno.EEXIST,
+            f"a socket of uid {st.st_uid} is at the path (ours is {os.geteuid()}); left alone",
+            path,
+        )
+    return st.st_ino
 
 
 def _unlink(path: str, inode: int | None) -> None:
-    """Remove the socket file at `path` (only if it is still the one with `inode`, when given)."""
+    """Remove the socket file of our uid at `path` (only if it still has `inode`, when given)."""
     try:
         st = os.lstat(path)
-        if stat.S_ISSOCK(st.st_mode) and inode in (None, st.st_ino):
+        ours = stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid()
+        if ours and inode in (None, st.st_ino):
             os.unlink(path)
     except FileNotFoundError:
         pass

@@ -94,3 +94,32 @@ class TestContents:
         assert sock["SocketMode"] == "0660"
         assert sock["Service"] == "workflowd.service"
         assert '"$RUNTIME_DIRECTORY/workflowd.sock"' in (UNITS / "config.toml").read_text()
+
+
+class TestBackupTimer:
+    """systemd/workflowd-backup.{service,timer}: the nightly backup, by name into backup_dir."""
+
+    def test_backup_units_verify_cleanly(self, tmp_path: Path) -> None:
+        """The backup service and timer pass verify beside the daemon's own units."""
+        verify(tmp_path, *units())  # writes the daemon's units (with /bin/true) into tmp_path
+        for name in ("workflowd-backup.service", "workflowd-backup.timer"):
+            shutil.copyfile(UNITS / name, tmp_path / name)
+        names = ["workflowd-backup.service", "workflowd-backup.timer"]
+        result = subprocess.run(
+            [ANALYZE or "", "verify", "--man=no", *names],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert complaints(result) == []
+        assert result.returncode == 0, result.stderr
+
+    def test_backup_names_a_file(self) -> None:
+        """The backup asks for a name (the daemon picks the folder), never a path."""
+        text = (UNITS / "workflowd-backup.service").read_text()
+        (exec_start,) = [line for line in text.splitlines() if line.startswith("ExecStart=")]
+        assert ' backup "nightly-$$(date +%%F)"' in exec_start
+        timer = (UNITS / "workflowd-backup.timer").read_text()
+        assert "OnCalendar=" in timer and "WantedBy=timers.target" in timer

@@ -220,8 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new records")
     p.add_argument("--workflow", dest="workflow_id", metavar="ID", help="only this workflow")
     command("reload", "load new workflow code and settings; refused if live workflows do not fit")
-    p = command("backup", "copy the database, consistently, to a new file PATH the daemon writes")
-    p.add_argument("path", metavar="PATH", type=os.path.abspath)
+    p = command("backup", "copy the database, consistently, to NAME.db in [store] backup_dir")
+    p.add_argument("name", metavar="NAME", help="a file name, no '/' (e.g. nightly-2026-12-01)")
+    p.set_defaults(path=None)  # the request's retired field: never sent
     add_repair_commands(command)
     add_schedule_commands(command)
     return parser
@@ -367,8 +368,9 @@ def show(command: str, result: Any) -> str:
             return table(rows, ["level", "code", "statement", "message"]) if rows else "no findings"
         case "reload", {"reloaded": bool()}:
             return reload_text(result)
-        case "backup", {"path": str(path), "bytes": int(size)}:
-            return f"backed up to {path} ({size} bytes)"
+        case "backup", {"path": str(path), "bytes": int(size), "deleted": list(deleted)}:
+            pruned = f"; deleted the oldest: {', '.join(map(str, deleted))}" if deleted else ""
+            return f"backed up to {path} ({size} bytes){pruned}"
         case "schedule list", list(rows):
             return schedules_table(rows) if rows else "no schedules"
         case "schedule show", {"name": str(), "fires": list()}:

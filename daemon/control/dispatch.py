@@ -68,7 +68,7 @@ class DaemonOps(Protocol):
     """What the control socket needs from the daemon itself: reload and backup."""
 
     async def reload(self) -> dict[str, Any]: ...
-    async def backup(self, path: str) -> dict[str, Any]: ...
+    async def backup(self, name: str) -> dict[str, Any]: ...
 
 
 class ScheduleTools(Protocol):
@@ -138,7 +138,7 @@ class Dispatcher:
             case proto.Reload():
                 return await self._daemon().reload()
             case proto.Backup():
-                return await self._daemon().backup(req.path)
+                return await self._daemon().backup(req.name)
             case (
                 proto.Graph() | proto.Lint() | proto.Goto() | proto.Edit() | proto.Undo()
                 | proto.Retry() | proto.Resume() | proto.ResumeAll() | proto.Gc()

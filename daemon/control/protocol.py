@@ -115,9 +115,17 @@ class Reload(Request, tag="reload"):
 
 
 class Backup(Request, tag="backup"):
-    """Copy the database to `path` (absolute, must not exist) with SQLite's online backup."""
+    """Copy the database to `<[store] backup_dir>/<name>.db` (a new file) with SQLite's backup."""
 
-    path: str
+    name: str = ""
+    #: No longer accepted: a client picks a name, never a path (the daemon may run as root).
+    path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.path is not None:
+            raise ValueError(
+                "field `path` is no longer accepted: give `name`, a file name for [store] backup_dir"
+            )
 
 
 class Graph(Request, tag="graph"):

@@ -29,6 +29,7 @@ async def serve(
     socket_path: Path | None,
     listener: anyio.abc.SocketListener | None = None,
     socket_mode: int = 0o660,
+    socket_group: int | None = None,
     allowed_uids: Collection[int] = (),
     allowed_groups: Collection[int | str] = (),
     max_request_bytes: int = proto.MAX_REQUEST_BYTES,
@@ -55,7 +56,7 @@ async def serve(
     if listener is None:
         if socket_path is None:
             raise ValueError("serve() needs a socket_path or a listener")
-        listener, created = await sockfile.bind(Path(socket_path), socket_mode)
+        listener, created = await sockfile.bind(Path(socket_path), socket_mode, socket_group)
     try:
         async with listener:
             log.info("control_listening", socket=str(socket_path or "(inherited)"))
@@ -136,7 +137,7 @@ class Server:
         self.active += 1
         try:
             pid, uid, gid = sockfile.peer_credentials(sock)
-            if not await self._allowed(uid, gid):
+            if not await self._allowed(uid, gid, pid):
                 log.warning("control_forbidden", uid=uid, gid=gid, pid=pid)
                 await self._say(wire, error(None, "forbidden", f"uid {uid} may not use workflowd"))
                 return
@@ -147,12 +148,12 @@ class Server:
         finally:
             self.active -= 1
 
-    async def _allowed(self, uid: int, gid: int) -> bool:
+    async def _allowed(self, uid: int, gid: int, pid: int) -> bool:
         if uid in self.uids or gid in self.gids:
             return True
         if not self.gids:
             return False
-        groups = await anyio.to_thread.run_sync(sockfile.peer_groups, uid, gid)
+        groups = await anyio.to_thread.run_sync(sockfile.peer_groups, pid, uid, gid)
         return not self.gids.isdisjoint(groups)
 
     async def _say(self, wire: Wire, response: dict[str, Any]) -> None:

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import grp
 import os
-import pwd
 import socket
 import stat
 import struct
@@ -45,8 +44,10 @@ def group_id(group: int | str) -> int:
         ) from None
 
 
-async def bind(path: Path, mode: int) -> tuple[anyio.abc.SocketListener, os.stat_result]:
-    """Bind and listen at `path` with `mode`, replacing a stale socket but never a live one."""
+async def bind(
+    path: Path, mode: int, group: int | None = None
+) -> tuple[anyio.abc.SocketListener, os.stat_result]:
+    """Bind and listen at `path` with `mode` (and `group`), replacing a stale socket, never a live one."""
     await _remove_stale(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -57,6 +58,14 @@ async def bind(path: Path, mode: int) -> tuple[anyio.abc.SocketListener, os.stat
             raise Unavailable(f"cannot bind {path}: {e}") from None
         # Nobody can connect before listen(), so the mode is right before the first client.
         os.chmod(path, mode)
+        if group is not None:
+            try:
+                os.chown(path, -1, group)
+            except OSError as e:
+                os.unlink(path)
+                raise ConfigError(
+                    f"cannot give {path} to [daemon] socket_group {group}: {e.strerror or e}"
+                ) from None
         created = os.stat(path)
         sock.listen(128)
         return await anyio.abc.SocketListener.from_socket(sock), created
@@ -93,12 +102,24 @@ def unlink_if_same(path: Path, created: os.stat_result) -> None:
             os.unlink(path)
 
 
-def peer_groups(uid: int, gid: int) -> set[int]:
-    """Return a peer's primary and supplementary groups (from the user database)."""
+def peer_groups(pid: int, uid: int, gid: int) -> set[int]:
+    """Return a peer process's groups: `gid` and the `Groups:` of its /proc/PID/status.
+
+    Read from the process, not the user database, so a client that dropped its groups
+    (setgroups, `setpriv --clear-groups`) is not counted in them. If the process is gone, or
+    `pid` now names a process of another uid, only `gid` counts.
+    """
     try:
-        return {gid, *os.getgrouplist(pwd.getpwuid(uid).pw_name, gid)}
-    except KeyError:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+            fields = dict(line.partition(":")[::2] for line in f)
+    except OSError:
         return {gid}
+    try:
+        effective_uid = int(fields["Uid"].split()[1])
+        groups = {int(g) for g in fields.get("Groups", "").split()}
+    except (KeyError, IndexError, ValueError):
+        return {gid}
+    return {gid, *groups} if effective_uid == uid else {gid}
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:

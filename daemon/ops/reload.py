@@ -32,6 +32,7 @@ MAX_LISTED = 100
 RESTART_KEYS = (
     "daemon.socket",
     "daemon.socket_mode",
+    "daemon.socket_group",
     "store.path",
     "store.synchronous",
     "store.history_keep",

@@ -38,6 +38,8 @@ class DaemonConfig:
     max_connections: int = _opt("int", 256, min=1)
     idle_timeout_s: float = _opt("float", 300.0, gt=0)
     shutdown_grace_s: float = _opt("float", 10.0, min=0)
+    #: The group (name or gid, resolved at load) a socket the daemon binds itself is given.
+    socket_group: int | None = _opt("socket_group", None)
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,17 @@ class StoreConfig:
     keep_finished_days: int = _opt("int", 30, min=0)
     #: How often retention runs (it also runs at start).
     retention_interval_s: float = _opt("float", 3600.0, gt=0)
+    #: The only folder `backup` writes to; None: `backups/` beside the database (see `backups`).
+    backup_dir: Path | None = field(default=None, metadata={"kind": "path"})
+    #: Backups kept in `backup_dir`; a new one beyond this deletes the oldest.
+    backup_keep: int = _opt("int", 7, min=1)
+    #: A backup that would leave less free space than this on its disk is refused.
+    min_free_bytes: int = _opt("int", 64 << 20, min=0)
+
+    @property
+    def backups(self) -> Path:
+        """Return the folder backups go to: `backup_dir`, else `backups/` beside the database."""
+        return self.backup_dir or self.path.parent / "backups"
 
 
 @dataclass(frozen=True)
@@ -130,6 +143,10 @@ def parse_config(raw: Mapping[str, Any], path: Path) -> Config:
     parts = {
         name: _section(cls, name, raw.get(name, {}), path, base) for name, cls in _SECTIONS.items()
     }
+    store: StoreConfig = parts["store"]
+    if store.backups == store.path.parent:
+        # Old backups there are deleted beyond backup_keep; the database must not be among them.
+        raise ConfigError(f"{path}: [store] backup_dir: must not be the database's own folder")
     runtime: RuntimeConfig = parts["runtime"]
     if runtime.retry_max_s < runtime.retry_initial_s:
         raise ConfigError(f"{path}: [runtime] retry_max_s: must be >= retry_initial_s")
@@ -150,7 +167,11 @@ def _section(cls: type[Any], name: str, table: dict[str, Any], path: Path, base:
             raise ConfigError(f"{where}: {e}") from None
     for key, f in fields.items():
         # Default relative paths resolve against the config file's folder, like given ones.
-        if key not in values and f.metadata["kind"] in ("path", "socket", "paths"):
+        if (
+            key not in values
+            and f.default is not None
+            and f.metadata["kind"] in ("path", "socket", "paths")
+        ):
             values[key] = _convert(_unparse(f.default), dict(f.metadata), base)
     return cls(**values)
 
@@ -179,6 +200,8 @@ def _convert(value: Any, meta: dict[str, Any], base: Path) -> Any:
         if not isinstance(value, str) or not re.fullmatch(r"0?[0-7]{3}", value):
             raise ValueError(f'expected an octal string like "0660", got {value!r}')
         return int(value, 8)
+    if kind == "socket_group":
+        return _own_gid(value)
     if kind in ("path", "socket"):
         p = _path(value, base)
         if kind == "socket" and len(os.fsencode(p)) > _SUN_PATH_MAX:
@@ -227,6 +250,16 @@ def _gid(value: Any) -> int:
         except KeyError:
             raise ValueError(f"unknown group {value!r}") from None
     return _bounded(_int(value), {"min": 0})  # type: ignore[no-any-return]
+
+
+def _own_gid(value: Any) -> int:
+    """Resolve a group the daemon must be able to give its socket to (root: any; else its own)."""
+    gid = _gid(value)
+    if os.geteuid() != 0 and gid not in {os.getegid(), *os.getgroups()}:
+        raise ValueError(
+            f"the daemon (uid {os.geteuid()}) is not in group {value!r}, so cannot chown to it"
+        )
+    return gid
 
 
 def _path(value: Any, base: Path) -> Path:

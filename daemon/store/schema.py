@@ -6,6 +6,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import secrets
 import sqlite3
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -237,17 +238,21 @@ async def migrate(conn: aiosqlite.Connection, path: Path) -> None:
 
 
 def backup_file(src_path: Path, dest: Path) -> int:
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    """Copy the database at `src_path` to the new file `dest`; return its size.
+
+    The copy is written under an unguessable temporary name opened with O_EXCL|O_NOFOLLOW
+    (so no planted file or link is followed), and is linked into place only if that name still
+    holds the file we opened: `dest` is complete or absent, and nothing existing is replaced.
+    """
+    tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(8)}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         # Made private before SQLite opens it, so the copy is never readable by others.
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+        fd = os.open(tmp, flags, FILE_MODE)
     except OSError as e:
-        raise BadRequest(f"cannot write {dest}: {e}") from None
+        raise BadRequest(f"cannot write {dest}: {e.strerror or e}") from None
     try:
-        try:
-            os.fchmod(fd, FILE_MODE)
-        finally:
-            os.close(fd)
+        os.fchmod(fd, FILE_MODE)
         src = sqlite3.connect(src_path)
         try:
             dst = sqlite3.connect(tmp)
@@ -259,12 +264,17 @@ def backup_file(src_path: Path, dest: Path) -> int:
                 dst.close()
         finally:
             src.close()
-        os.link(tmp, dest)
-        return os.stat(dest).st_size
+        ours, now = os.fstat(fd), os.lstat(tmp)
+        if (now.st_dev, now.st_ino) != (ours.st_dev, ours.st_ino):
+            raise BadRequest(f"cannot write {dest}: its temporary file was replaced")
+        # linkat without AT_SYMLINK_FOLLOW: links the file itself and never replaces `dest`.
+        os.link(tmp, dest, follow_symlinks=False)
+        return ours.st_size
     except FileExistsError:
         raise Conflict(f"{dest} exists; pick a new name") from None
     except (OSError, sqlite3.Error) as e:
         raise BadRequest(f"cannot write {dest}: {e}") from None
     finally:
+        os.close(fd)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

@@ -7,14 +7,18 @@ armed waits survive a restart and a SIGKILL. Files, inotify and sockets are real
 from __future__ import annotations
 
 import json
+import os
+import socket
 import sqlite3
+import stat
 import time
 from pathlib import Path
 from typing import Any
 
 from tests.helpers.harness import Daemon, running_daemon
 from tests.helpers.probes import exchange, fds, unix_bound, unix_listening
-from tests.helpers.wait import until, wait_status
+from tests.helpers.support import needs_root
+from tests.helpers.wait import shown_when, until, wait_status
 
 MODULES = ["tests.workflows.handler"]
 
@@ -123,6 +127,49 @@ class TestInDaemon:
             assert await exchange(sock, line=b"1") == {"ok": True, "result": 1}
             async with d.client() as c:
                 await wait_status(c, "s", "Finished")
+
+
+class TestForeignFiles:
+    """A SocketListen path may be a client's choice: it takes over no file it did not make."""
+
+    @needs_root
+    async def test_stale_socket_of_another_uid_is_left_alone(self, tmp_path: Path) -> None:
+        """Another uid's stale socket at the path: the wait fails clearly, the file stays."""
+        sock = tmp_path / "other.sock"
+        stale = socket.socket(socket.AF_UNIX)
+        stale.bind(str(sock))
+        stale.close()  # no listener: a stale socket, as a crashed service leaves it
+        os.chown(sock, 65534, 65534)
+        before = os.lstat(sock)
+        async with running_daemon(tmp_path, MODULES) as d, d.client() as c:
+            await c.call("start", workflow="Guarded", workflow_id="s", input=listen(sock))
+            shown = await shown_when(
+                c, "s", lambda s: wait_of(s, "it").get("status") == "SetupError"
+            )
+            assert "socket of uid 65534" in wait_of(shown, "it")["error"]
+            assert await c.call("send", workflow_id="s", event="stop", input="x") == "stopped: x"
+        after = os.lstat(sock)
+        assert stat.S_ISSOCK(after.st_mode) and after.st_uid == 65534
+        assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+    async def test_regular_file_is_left_alone(self, tmp_path: Path) -> None:
+        """A regular file at the path: the wait fails saying so, the file keeps its content."""
+        path = tmp_path / "data.db"
+        path.write_bytes(b"precious")
+        async with running_daemon(tmp_path, MODULES) as d, d.client() as c:
+            await c.call("start", workflow="Guarded", workflow_id="f", input=listen(path))
+            shown = await shown_when(
+                c, "f", lambda s: wait_of(s, "it").get("status") == "SetupError"
+            )
+            assert "not a socket" in wait_of(shown, "it")["error"]
+        assert path.read_bytes() == b"precious"
+
+
+def wait_of(shown: dict[str, Any], name: str) -> dict[str, Any]:
+    """Return a shown workflow's wait event `name` (an empty dict while it is not armed)."""
+    events = [ev for t in shown["state"]["threads"] for ev in t["wait_events"]]
+    found: dict[str, Any] = next((ev for ev in events if ev["req"]["name"] == name), {})
+    return found
 
 
 def pid(d: Daemon) -> int:

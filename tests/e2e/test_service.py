@@ -1,12 +1,10 @@
-"""workflowd as a systemd service: sd_notify, reload, socket activation and backup, end to end."""
+"""workflowd as a systemd service: sd_notify, reload and socket activation, end to end."""
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
-import sqlite3
 import subprocess
 import sys
 from collections.abc import Callable
@@ -14,14 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import pytest
 
-from daemon import State
 from tests.helpers.client import Client, connect
 from tests.helpers.harness import REPO, Daemon, running_daemon, write_config
-from tests.helpers.wait import settled, shown_when, wait_status
+from tests.helpers.wait import settled, wait_status
 from tests.workflows import service as versions
-from tests.workflows.e2e import Turnstile
 
 MODULE = "svc_flows"  # written into each test's tmp_path, so every test has its own copy
 
@@ -272,58 +267,3 @@ class TestSocketActivation:
             for stream in (process.stdout, process.stderr):
                 if stream is not None:
                     await stream.aclose()
-
-
-class TestBackup:
-    async def test_backup_is_a_consistent_copy(self, tmp_path: Path) -> None:
-        """`workflowctl backup PATH` writes a complete standalone database and never overwrites."""
-        async with running_daemon(tmp_path, ["tests.workflows.e2e"]) as d, d.client() as c:
-            for n in range(20):
-                await c.call("start", workflow="Turnstile", workflow_id=f"g{n}")
-            # The copy is taken while the workflows' 0.2 s ticker timers fire, so it is no
-            # snapshot of one status: what must hold is that every row is whole (below).
-            dest = tmp_path / "backups" / "copy.db"
-            dest.parent.mkdir()
-            done = await workflowctl(d.socket, "backup", str(dest))
-            assert done.returncode == 0, done.stderr
-            assert b"backed up to" in done.stdout
-            again = await workflowctl(d.socket, "backup", str(dest))
-            assert again.returncode == 1 and b"conflict" in again.stderr
-            onto_live = await workflowctl(d.socket, "backup", str(tmp_path / "wd.db"))
-            assert onto_live.returncode == 1
-            # Quiet once every ticker fired: then all 20 wait for signals, and nothing moves.
-            for n in range(20):
-                await shown_when(
-                    c, f"g{n}", lambda s: s["status"] == "Waiting" and s["data"]["ticked"]
-                )
-            await settled(c)
-            assert (await c.call("ping"))["workflows"] == {"Waiting": 20}
-        assert sorted(os.listdir(dest.parent)) == ["copy.db"]  # no temporary file left
-        db = sqlite3.connect(dest)
-        try:
-            assert db.execute("PRAGMA journal_mode").fetchone() == ("delete",)
-            assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
-            assert db.execute("SELECT COUNT(*) FROM workflows").fetchone() == (20,)
-            rows = db.execute("SELECT id, name, status, data, state FROM workflows").fetchall()
-            # History rows and their counter are written in one transaction with the state.
-            torn = db.execute(
-                "SELECT id FROM workflows w WHERE history_seq !="
-                " (SELECT COALESCE(MAX(seq), 0) FROM history h WHERE h.workflow_id = w.id)"
-            ).fetchall()
-        finally:
-            db.close()
-        assert sorted(wid for wid, *_ in rows) == sorted(f"g{n}" for n in range(20))
-        assert torn == []
-        for wid, name, status, data, state in rows:
-            assert name == "Turnstile"
-            wf, st = Turnstile.from_json(data), State.from_json(state)  # each row decodes whole
-            assert st.id == wid and st.status == status  # the status column matches its state
-            assert status in ("Resuming", "Waiting")  # no signal was sent: it cannot have ended
-            assert wf.got == []
-
-    @pytest.mark.parametrize("path", ["relative.db"])
-    async def test_relative_path_is_refused_by_the_daemon(self, tmp_path: Path, path: str) -> None:
-        """The daemon wants an absolute path (workflowctl makes it absolute first)."""
-        async with running_daemon(tmp_path, ["tests.workflows.e2e"]) as d, d.client() as c:
-            response = await c.request("backup", path=path)
-        assert response["error"]["code"] == "bad_request"

@@ -82,14 +82,14 @@ class TestPrivate:
             async with d.client() as c:
                 wid = (await c.call("start", workflow="Quick"))["workflow_id"]
                 await wait_status(c, wid, "Finished")
-                await c.call("backup", path=str(tmp_path / "copy.db"))
-                files = {p.name: mode(p) for p in state.iterdir()}
+                await c.call("backup", name="copy")
+                files = {p.name: mode(p) for p in state.iterdir() if p.name != "backups"}
         finally:
             await d.stop()
-        assert mode(state) == 0o700
+        assert mode(state) == mode(state / "backups") == 0o700
         assert set(files) == {"wd.db", "wd.db-wal", "wd.db-shm", "wd.db.lock"}
         assert files == dict.fromkeys(files, 0o600)
-        assert mode(tmp_path / "copy.db") == 0o600
+        assert mode(state / "backups" / "copy.db") == 0o600
 
 
 class TestUnwritable:

@@ -74,3 +74,17 @@ async def ping_as_nobody(path: Path) -> dict[str, Any]:
     assert done.returncode == 0, done.stderr.decode()
     result: dict[str, Any] = json.loads(done.stdout)
     return result
+
+
+async def ping_as(path: Path, uid: int, gid: int, groups: list[int]) -> dict[str, Any]:
+    """Ping from a child running as `uid`/`gid` with exactly `groups` (root and setpriv)."""
+    extra = ["--groups", ",".join(map(str, groups))] if groups else ["--clear-groups"]
+    drop = ["setpriv", "--reuid", str(uid), "--regid", str(gid), *extra]
+    with anyio.fail_after(30):
+        done = await anyio.run_process(
+            [*drop, sys.executable, "-I", "-c", PING_CHILD, str(path)], check=False
+        )
+    if done.returncode != 0:  # Unix permissions refused the connection itself
+        return {"ok": False, "error": {"code": "EACCES", "message": done.stderr.decode()}}
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result

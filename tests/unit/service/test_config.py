@@ -55,6 +55,8 @@ class TestDefaults:
         assert cfg.runtime.max_concurrent_steps == 3
         assert cfg.runtime.retry_initial_s == 1.0
         assert cfg.store.path == tmp_path / "state" / "workflowd.db"
+        assert cfg.store.backups == tmp_path / "state" / "backups"  # beside the database
+        assert (cfg.store.backup_keep, cfg.store.min_free_bytes) == (7, 64 << 20)
 
     def test_values_are_converted(self, tmp_path: Path) -> None:
         """Ints are accepted for floats, lists become tuples and group names become gids."""
@@ -167,6 +169,16 @@ class TestErrors:
             ),
             ('[workflows]\nmodules = "a"', "[workflows] modules: expected a list, got 'a'"),
             ("[workflows]\npaths = [1]", "[workflows] paths: expected a path string, got 1"),
+            (
+                '[store]\npath = "db/wd.db"\nbackup_dir = "db"',
+                "[store] backup_dir: must not be the database's own folder",
+            ),
+            ("[store]\nbackup_keep = 0", "[store] backup_keep: must be >= 1, got 0"),
+            ("[store]\nmin_free_bytes = -1", "[store] min_free_bytes: must be >= 0, got -1"),
+            (
+                '[daemon]\nsocket_group = "no-such-group-xyz"',
+                "[daemon] socket_group: unknown group 'no-such-group-xyz'",
+            ),
         ],
     )
     def test_bad_value_names_the_key(self, tmp_path: Path, text: str, expected: str) -> None:
@@ -222,7 +234,10 @@ class TestSystemdDirectories:
         assert cfg.store.path == Path("/var/lib/workflowd/workflowd.db")
         assert cfg.daemon.socket == Path("/run/workflowd/workflowd.sock")
         assert cfg.daemon.allowed_groups == (4242,)
+        assert cfg.daemon.socket_group == 4242
         assert cfg.workflows.paths == (REPO / "systemd" / "workflows",)
+        assert "daemon.examples" not in cfg.workflows.modules  # they act on clients' paths
+        assert cfg.store.backups == Path("/var/lib/workflowd/backups")
         assert cfg.store.retention_interval_s == 3600.0
 
 
