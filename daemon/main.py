@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -18,16 +18,22 @@ import anyio
 import anyio.abc
 import structlog
 
+from daemon.control.dispatch import version
 from daemon.control.server import Server, serve
 from daemon.control.sockfile import listener_from_systemd
 from daemon.core.schedule import Schedule
 from daemon.core.workflow import Workflow
 from daemon.errors import ConfigError, StoreLocked, StoreUnusable, ValidationError
+from daemon.http.scrape import metrics_handler
+from daemon.http.server import listening, serve_http
 from daemon.identity import refuse_foreign
+from daemon.observe.hooks import Hooks, HookSettings
+from daemon.observe.metrics import Metrics
 from daemon.ops.backup import backup
 from daemon.ops.modules import load_registry, schedules_of
 from daemon.ops.reload import Reloader, settings_of
 from daemon.ops.repairs import Repairs
+from daemon.runtime.cache import Cache
 from daemon.runtime.runtime import Runtime
 from daemon.runtime.schedules import Schedules
 from daemon.runtime.supervise import supervise
@@ -76,14 +82,20 @@ async def run_daemon(
     With `hold`, no workflow runs until `workflowctl resume-all` (or `resume ID`).
     """
     notifier = Notifier.from_env(unset=True)
+    metrics = Metrics(version())
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with (
+            # Bound first: an address that cannot be bound stops the start, before READY.
+            listening(cfg.metrics.listen) as scrape_on,
             SQLiteStore.open(
                 cfg.store.path,
                 synchronous=cfg.store.synchronous,
                 history_keep=cfg.store.history_keep,
+                metrics=metrics,
             ) as store,
-            Runtime.open(store, registry, replace(settings_of(cfg), hold=hold), logs=hub) as rt,
+            Runtime.open(
+                store, registry, replace(settings_of(cfg), hold=hold), logs=hub, metrics=metrics
+            ) as rt,
             anyio.create_task_group() as tg,
         ):
             # Everything recovery loaded (re-armed waits, cached workflows) lives long: keep
@@ -118,7 +130,18 @@ async def run_daemon(
                 running=rt.scheduler.running,
                 held=lambda: rt.scheduler.hold.held,
                 schedules=schedules,
+                metrics=metrics,
             )
+            hooks = Hooks(
+                queue=store,
+                settings=lambda: hook_settings(reloader.cfg),
+                of_type=partial(_type_hook, rt.cache),
+            )
+            rt.on_ended = hooks.wake
+            tg.start_soon(hooks.run, tg)
+            if scrape_on is not None:
+                scrape = metrics_handler(metrics, gauges=store, waits=rt.arms.kinds)
+                tg.start_soon(partial(serve_http, scrape_on, scrape, name="metrics"))
             rt.scheduler.on_exit = timetable.workflow_exited
             reloader.on_schedules = timetable.configure
             firing = anyio.CancelScope()
@@ -201,6 +224,20 @@ def _configure_control(control: Server, cfg: Config) -> None:
     )
 
 
+def hook_settings(cfg: Config) -> HookSettings:
+    """Map the `[hooks]` section onto the hook runner's settings (read at every ending)."""
+    h = cfg.hooks
+    return HookSettings(on_failure=h.on_failure, on_finish=h.on_finish, timeout_s=h.timeout_s)
+
+
+def _type_hook(cache: Cache, workflow: str, status: str) -> Sequence[str] | None:
+    """Return the argv a workflow type sets for this ending, or None to use `[hooks]`."""
+    cls = cache.registry.get(workflow)
+    if cls is None:
+        return None
+    return cls.on_failure if status == "Failed" else cls.on_finish
+
+
 def status_line(counts: dict[str, int], busy: int) -> str:
     """Return the one-line summary `systemctl status` shows."""
     waiting, failed = counts.get("Waiting", 0), counts.get("Failed", 0)
@@ -277,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     except StoreLocked as e:
         print(f"workflowd: {e}", file=sys.stderr)
         return 1
-    except StoreUnusable as e:  # raised before READY: the daemon never ran
+    except (StoreUnusable, ConfigError) as e:  # raised before READY: the daemon never ran
         print(f"workflowd: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -36,6 +36,8 @@ RESTART_KEYS = (
     "store.synchronous",
     "store.history_keep",
     "log.format",
+    "metrics.listen",
+    "http.listen",
 )
 
 

@@ -15,6 +15,7 @@ from daemon.clock import Clock
 from daemon.core.definition import Definable, Definition
 from daemon.core.handler import CallbackRequest, Deliver, Handler
 from daemon.core.state import FINAL_STATUSES, EventStatus, State
+from daemon.observe.metrics import Metrics
 from daemon.runtime.supervise import supervise
 
 log = structlog.get_logger()
@@ -41,9 +42,15 @@ class Arms:
     """Keeps the timers and listen tasks of every armed wait, and fires them."""
 
     def __init__(
-        self, tg: anyio.abc.TaskGroup, clock: Clock, submit: Submit, broken: Broken
+        self,
+        tg: anyio.abc.TaskGroup,
+        clock: Clock,
+        submit: Submit,
+        broken: Broken,
+        metrics: Metrics | None = None,
     ) -> None:
         self._tg, self._clock, self._submit, self._broken = tg, clock, submit, broken
+        self._metrics = metrics
         self._heap: list[tuple[float, int, Key]] = []
         self._seq = itertools.count()
         self._timers: dict[Key, float] = {}
@@ -54,6 +61,10 @@ class Arms:
 
     def __len__(self) -> int:
         return len(self._timers) + len(self._listeners)
+
+    def kinds(self) -> dict[str, int]:
+        """Count the armed waits by kind: `timer` or `listener` (an active handler's task)."""
+        return {"timer": len(self._timers), "listener": len(self._listeners)}
 
     def armed(self, workflow_id: str) -> set[Key]:
         """Return the keys armed for one workflow."""
@@ -210,6 +221,8 @@ class Arms:
                 heapq.heappush(self._heap, entry)
                 raise
             self.disarm(key)
+            if self._metrics is not None:
+                self._metrics.timer_fired(now - due)
 
     async def _sleep_or_wake(self, deadline: float) -> None:
         async with anyio.create_task_group() as tg:
