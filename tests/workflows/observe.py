@@ -9,17 +9,17 @@ from daemon import NonRetryableError, On, S, Schedule, Section, Step, Wait, Work
 from handlers import Signal, Timer
 
 #: Appends its argv and the WORKFLOWD_ environment as one JSON line to $HOOK_OUT; a workflow
-#: id starting with "slow" sleeps first (a hook that hangs).
+#: id starting with "slow" sleeps first (a hook that hangs). No braces: the argv is a template.
 HOOK_SCRIPT = """
 import json, os, sys, time
 wid = os.environ["WORKFLOWD_WORKFLOW_ID"]
 if wid.startswith("slow"):
     with open(os.environ["HOOK_OUT"] + ".pids", "a") as f:
-        f.write(f"{os.getpid()}\\n")
+        f.write(str(os.getpid()) + "\\n")
     time.sleep(60)
-env = {k: v for k, v in os.environ.items() if k.startswith("WORKFLOWD_")}
+env = dict((k, v) for k, v in os.environ.items() if k.startswith("WORKFLOWD_"))
 with open(os.environ["HOOK_OUT"], "a") as f:
-    f.write(json.dumps({"argv": sys.argv[1:], "env": env}) + "\\n")
+    f.write(json.dumps(dict(argv=sys.argv[1:], env=env)) + "\\n")
 """
 
 
