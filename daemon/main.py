@@ -23,9 +23,11 @@ from daemon.control.server import Server, serve
 from daemon.control.sockfile import listener_from_systemd
 from daemon.core.schedule import Schedule
 from daemon.core.workflow import Workflow
-from daemon.errors import ConfigError, StoreLocked, StoreUnusable, ValidationError
+from daemon.errors import ConfigError, StoreLocked, StoreUnusable, Unavailable, ValidationError
+from daemon.http.dashboard import Dashboard
 from daemon.http.scrape import metrics_handler
 from daemon.http.server import listening, serve_http
+from daemon.http.token import load_token
 from daemon.identity import refuse_foreign
 from daemon.observe.hooks import Hooks, HookSettings
 from daemon.observe.metrics import Metrics
@@ -87,6 +89,7 @@ async def run_daemon(
         async with (
             # Bound first: an address that cannot be bound stops the start, before READY.
             listening(cfg.metrics.listen) as scrape_on,
+            listening(cfg.http.listen) as dashboard_on,
             SQLiteStore.open(
                 cfg.store.path,
                 synchronous=cfg.store.synchronous,
@@ -142,6 +145,16 @@ async def run_daemon(
             if scrape_on is not None:
                 scrape = metrics_handler(metrics, gauges=store, waits=rt.arms.kinds)
                 tg.start_soon(partial(serve_http, scrape_on, scrape, name="metrics"))
+            token = load_token(store.path.parent) if dashboard_on is not None else ""
+            if dashboard_on is not None:
+                dashboard = Dashboard(
+                    token=token,
+                    workflows=rt,
+                    tools=repairs,
+                    timetable=timetable,
+                    types=lambda: sorted(rt.cache.registry),
+                )
+                tg.start_soon(partial(serve_http, dashboard_on, dashboard, name="dashboard"))
             rt.scheduler.on_exit = timetable.workflow_exited
             reloader.on_schedules = timetable.configure
             firing = anyio.CancelScope()
@@ -166,6 +179,7 @@ async def run_daemon(
                 repairs=repairs,
                 ops=DaemonOps(reloader, store),
                 schedules=timetable,
+                dashboard=partial(dashboard_url, cfg.http.listen, token),
             )
             control = anyio.CancelScope()
 
@@ -222,6 +236,15 @@ def _configure_control(control: Server, cfg: Config) -> None:
         max_connections=d.max_connections,
         idle_timeout=d.idle_timeout_s,
     )
+
+
+def dashboard_url(listen: str, token: str) -> dict[str, Any]:
+    """Return what `workflowctl dashboard` prints: the URL with the token (and the socket)."""
+    if not listen:
+        raise Unavailable("the dashboard is off: set [http] listen in config.toml")
+    if "/" in listen:  # a Unix socket: a proxy (or curl --unix-socket) reaches it
+        return {"url": f"http://localhost/?token={token}", "socket": listen}
+    return {"url": f"http://{listen}/?token={token}"}
 
 
 def hook_settings(cfg: Config) -> HookSettings:

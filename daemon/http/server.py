@@ -53,15 +53,19 @@ class Request:
         return dict(parse_qsl(self.body.decode("utf-8", "replace")))
 
 
+#: Writes one chunk of a streamed response; raises once the client has gone.
+Send = Callable[[bytes], Awaitable[None]]
+
+
 @dataclass(slots=True)
 class Response:
-    """One response: a body, or a stream of chunks (Server-Sent Events)."""
+    """One response: a body, or a stream written by `stream` (Server-Sent Events)."""
 
     status: int = 200
     body: bytes = b""
     content_type: str = "text/plain; charset=utf-8"
     headers: list[tuple[str, str]] = field(default_factory=list)
-    stream: AsyncIterator[bytes] | None = None
+    stream: Callable[[Send], Awaitable[None]] | None = None
 
 
 def text(status: int, message: str) -> Response:
@@ -134,6 +138,13 @@ async def serve_http(listener: Listener, handler: Handler, *, name: str) -> None
     await listener.serve(one)
 
 
+def _gone(e: BaseException) -> bool:
+    """Tell whether `e` (or every exception of a group) says the client went away."""
+    if isinstance(e, BaseExceptionGroup):
+        return all(_gone(x) for x in e.exceptions)
+    return isinstance(e, anyio.BrokenResourceError | anyio.ClosedResourceError | OSError)
+
+
 async def _serve_one(conn: anyio.abc.SocketStream, handler: Handler) -> None:
     with anyio.move_on_after(READ_TIMEOUT_S) as scope:
         parsed = await _read(conn)
@@ -203,10 +214,4 @@ async def _send(conn: anyio.abc.SocketStream, r: Response) -> None:
         await conn.send(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + r.body)
         return
     await conn.send(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
-    try:
-        async for chunk in r.stream:
-            await conn.send(chunk)
-    finally:
-        aclose = getattr(r.stream, "aclose", None)
-        if aclose is not None:
-            await aclose()
+    await r.stream(conn.send)

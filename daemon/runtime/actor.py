@@ -340,12 +340,17 @@ class Actor:
     async def _reload(self) -> Loaded:
         return await self.cache.reload(self.workflow_id)
 
-    async def _end(self, loaded: Loaded, status: WorkflowStatus, error: str | None) -> None:
+    async def _end(
+        self, loaded: Loaded, status: WorkflowStatus, error: str | None, by: Any = None
+    ) -> None:
         """Finish a workflow as failed or cancelled, tearing down every wait."""
         loaded.state.status, loaded.error, loaded.next_run_at = status, error, None
         self.arms.disarm_workflow(self.workflow_id)
         left = await teardown_ended(loaded.wf, loaded.state)
-        self._history.append((status.value.lower(), {"error": error}))
+        detail: dict[str, Any] = {"error": error}
+        if by is not None:
+            detail["by"] = by
+        self._history.append((status.value.lower(), detail))
         await self._save(loaded)
         if left:
             self.on_leftover()
@@ -364,7 +369,8 @@ class Actor:
         try:
             if loaded.state.status not in FINAL_STATUSES:
                 loaded = await self._reload()
-                await self._end(loaded, WorkflowStatus.CANCELLED, None)
+                by = next((i.input for i in cancels if i.input is not None), None)
+                await self._end(loaded, WorkflowStatus.CANCELLED, None, by)
                 log.info("workflow_cancelled")
         except Exception as e:
             for item in cancels:  # they may ask again once the store works

@@ -279,8 +279,11 @@ class Runtime:
         )
         return {"queued": True}
 
-    async def cancel(self, workflow_id: str) -> dict[str, Any]:
-        """Cancel a workflow: tear down its waits and stop a running step."""
+    async def cancel(self, workflow_id: str, *, by: str | None = None) -> dict[str, Any]:
+        """Cancel a workflow: tear down its waits and stop a running step.
+
+        `by` names who asked ("dashboard"), for the history record.
+        """
         self._check_open()
         try:
             loaded = await self.cache.load(workflow_id)
@@ -289,7 +292,8 @@ class Runtime:
         if loaded.state.status in FINAL_STATUSES:
             return {"workflow_id": workflow_id, "status": loaded.state.status.value}
         reply = Reply()
-        self.scheduler.submit(workflow_id, Item("cancel", reply=reply))  # interrupts its actor
+        # Queueing it interrupts its actor.
+        self.scheduler.submit(workflow_id, Item("cancel", input=by, reply=reply))
         await reply.wait()
         if self.scheduler.hold.incompatible.pop(workflow_id, None) is not None:
             await self._drop_parked(workflow_id)
