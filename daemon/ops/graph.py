@@ -292,11 +292,12 @@ def _svg(g: _Graph, title: str) -> str:
     pos: dict[str, tuple[float, float, float, float]] = {}  # id -> x, y, w, h
     y = 50.0 if title else 20.0
     notes = [n for n in g.nodes if n.mark == "note" or n.shape == "note"]
-    for n in g.nodes:
-        if n in notes:
-            continue
+    # A thread's end node is made before its body; it is drawn after it, the main one last.
+    body = [n for n in g.nodes if n not in notes and n.shape != "end"]
+    ends = sorted((n for n in g.nodes if n.shape == "end"), key=lambda n: n.cluster == "")
+    for n in [*body, *ends]:
         h = 14.0 + _LINE * len(n.lines)
-        pos[n.id] = (20.0 + columns[n.cluster] * _COL, y, float(_W), h)
+        pos[n.id] = (60.0 + columns[n.cluster] * _COL, y, float(_W), h)
         y += h + _GAP
     note_ids = {m.id for m in notes}
     targets = {src: dst for src, dst, _, dotted in g.edges if dotted and src in note_ids}
@@ -304,7 +305,7 @@ def _svg(g: _Graph, title: str) -> str:
     for n in notes:
         h = 14.0 + _LINE * len(n.lines)
         at = pos.get(targets.get(n.id, ""))
-        x, ny = (at[0] + _W + 40, at[1]) if at else (20.0, y)
+        x, ny = (at[0] + _W + 40, at[1]) if at else (60.0, y)
         ny += stacked.get(targets.get(n.id, ""), 0.0)
         stacked[targets.get(n.id, "")] = stacked.get(targets.get(n.id, ""), 0.0) + h + 6
         if not at:

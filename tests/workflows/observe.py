@@ -111,4 +111,4 @@ class Blip(Workflow):
         return S(Step("blip", lambda: None))
 
 
-blip = Schedule("blip", "Blip", every=0.5)
+blip = Schedule("blip", "Blip", every=1.0)
