@@ -9,6 +9,7 @@ import pytest
 
 from tests.benchmarks import (
     bench_control,
+    bench_metrics,
     bench_runtime,
     bench_schedules,
     bench_timers,
@@ -120,3 +121,12 @@ class TestSchedulesBench:
         metrics = {f"{k}_p{p}_ms" for k in ("fire_late", "start_late") for p in (50, 99)}
         _check("bench_schedules", figures, {*metrics, "daemon_cpu_per_fire_us"})
         assert {f["fires"] for f in figures} == {10}
+
+
+class TestMetricsBench:
+    """bench_metrics at a tiny size."""
+
+    def test_step_collection(self) -> None:
+        """The per-step collection cost and one scrape's time are reported."""
+        figures = bench_metrics.run(calls=1000, repeats=1)
+        _check("bench_metrics", figures, {"step_collect_us", "scrape_ms"})
