@@ -59,7 +59,7 @@ async def test_dashboard_in_a_browser(short_tmp: Path) -> None:
         running_daemon(short_tmp, MODULES, http={"listen": address}) as d,
         d.client() as c,
     ):
-        await c.call("start", workflow="Gate", workflow_id="g1")
+        await c.call("start", workflow="Gatekeeper", workflow_id="g1")
         await c.call("start", workflow="Doomed", workflow_id="d1")
         await wait_status(c, "g1", "Waiting")
         await wait_status(c, "d1", "Failed")
@@ -83,7 +83,7 @@ async def test_dashboard_in_a_browser(short_tmp: Path) -> None:
             )
             browser.execute_script("window.notReloaded = true;")
             # Changes arrive live: a new workflow appears, another one's status changes.
-            await c.call("start", workflow="Gate", workflow_id="g2")
+            await c.call("start", workflow="Gatekeeper", workflow_id="g2")
             _wait(browser, lambda b: _cell(b, "g2") is not None)
             await c.call("send", workflow_id="g1", event="go", input="by test")
             _wait(browser, lambda b: _cell(b, "g1") == "Finished")
@@ -111,7 +111,7 @@ async def test_dashboard_in_a_browser(short_tmp: Path) -> None:
             _wait(browser, lambda b: '"note": "live"' in b.find_element(By.ID, "data").text)
             _wait(browser, lambda b: "callback_received" in b.find_element(By.ID, "log").text)
             # Cancel behind a confirmation: dismissed first (nothing happens), then accepted.
-            await c.call("start", workflow="Gate", workflow_id="g3")
+            await c.call("start", workflow="Gatekeeper", workflow_id="g3")
             await wait_status(c, "g3", "Waiting")
             browser.get(f"{base}/workflow?id=g3")
             _wait(browser, lambda b: b.find_element(By.ID, "cancel").click() or True)
@@ -141,7 +141,7 @@ async def test_requests_without_the_token_are_refused(short_tmp: Path) -> None:
         running_daemon(short_tmp, MODULES, http={"listen": address}) as d,
         d.client() as c,
     ):
-        await c.call("start", workflow="Gate", workflow_id="g1")
+        await c.call("start", workflow="Gatekeeper", workflow_id="g1")
         await wait_status(c, "g1", "Waiting")
         token = (await c.call("dashboard"))["url"].split("token=", 1)[1]
         for path in ("/", "/workflow?id=g1", "/events", "/fragment/list", "/schedules"):

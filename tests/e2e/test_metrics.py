@@ -44,7 +44,7 @@ async def test_metrics_count_a_known_run(short_tmp: Path) -> None:
             await wait_status(c, wid, "Finished")
         await c.call("start", workflow="Doomed", workflow_id="d1")
         await wait_status(c, "d1", "Failed")
-        await c.call("start", workflow="Gate", workflow_id="g1")
+        await c.call("start", workflow="Gatekeeper", workflow_id="g1")
         await wait_status(c, "g1", "Waiting")
         rejected = await c.request("send", workflow_id="g1", event="nope")
         assert not rejected["ok"]
@@ -82,7 +82,7 @@ async def test_metrics_count_a_known_run(short_tmp: Path) -> None:
         )
         assert value(found, "workflowd_workflows", workflow="Counted", status="Finished") == 2
         assert value(found, "workflowd_workflows", workflow="Doomed", status="Failed") == 1
-        assert value(found, "workflowd_workflows", workflow="Gate", status="Waiting") == 1
+        assert value(found, "workflowd_workflows", workflow="Gatekeeper", status="Waiting") == 1
         assert value(found, "workflowd_callbacks_total", outcome="applied") == 3  # 2 go, 1 tick
         assert value(found, "workflowd_callbacks_total", outcome="rejected") == 1
         assert value(found, "workflowd_waits_armed", kind="timer") == 1  # Gate's far timer

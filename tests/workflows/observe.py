@@ -73,7 +73,7 @@ class SelfHooked(Workflow):
 
 
 @dataclass
-class Gate(Workflow):
+class Gatekeeper(Workflow):
     """Waits for `go` (or a far timer), then either finishes or, with `fail`, fails."""
 
     fail: bool = False
