@@ -122,7 +122,7 @@ class Hooks:
         max_running: int = MAX_RUNNING,
     ) -> None:
         self._queue, self._settings, self._of_type = queue, settings, of_type
-        self._limiter = anyio.CapacityLimiter(max_running)
+        self._slots = anyio.Semaphore(max_running)
         self._wake = anyio.Event()
         self._after = 0
 
@@ -170,6 +170,8 @@ class Hooks:
                 if not argv:
                     nothing.append(row.id)
                     continue
+                # A slot first: the queue, not a crowd of waiting tasks, holds the backlog.
+                await self._slots.acquire()
                 tg.start_soon(self._run_one, row, argv, settings.timeout_s)
             if nothing:
                 await self._queue.hooks_done(nothing)
@@ -190,7 +192,7 @@ class Hooks:
             "event": event,
         }
         about = {"workflow_id": row.workflow_id, "workflow": row.workflow, "hook": event}
-        async with self._limiter:
+        try:
             # Claimed only once it has a slot: one still waiting when the daemon dies runs
             # after the restart.
             try:
@@ -200,8 +202,10 @@ class Hooks:
                 return
             try:
                 outcome = await _spawn(fill(template, values), values, timeout_s)
-            except (OSError, ValueError, KeyError) as e:
+            except Exception as e:  # noqa: BLE001 - not found, not executable, a bad template
                 outcome = {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            self._slots.release()
         ok = outcome.get("exit_code") == 0
         if ok:
             log.info("hook_ran", **about, **outcome)

@@ -196,3 +196,25 @@ async def test_workflowctl_dashboard_prints_the_url(short_tmp: Path, unix: bool)
         assert done.stdout.startswith(f"http://{host}/?token={token}")
         reply = await fetch(address, f"/?token={token}")
         assert reply.status == 303
+
+
+async def test_open_event_streams_do_not_hold_up_a_stop(short_tmp: Path) -> None:
+    """SIGTERM with live event streams (and a silent half-sent request) still exits 0 quickly."""
+    address = f"127.0.0.1:{free_port()}"
+    async with running_daemon(short_tmp, MODULES, http={"listen": address}) as d, d.client() as c:
+        token = (await c.call("dashboard"))["url"].split("token=", 1)[1]
+        host, _, port = address.rpartition(":")
+        streams = []
+        for _ in range(3):
+            s = await anyio.connect_tcp(host, int(port))
+            head = f"GET /events HTTP/1.1\r\nCookie: workflowd_dashboard={token}\r\n\r\n"
+            await s.send(head.encode())
+            streams.append(s)
+        first = await streams[0].receive()
+        assert first.startswith(b"HTTP/1.1 200") and b"text/event-stream" in first
+        silent = await anyio.connect_tcp(host, int(port))
+        await silent.send(b"GET / HT")  # never finished
+        with anyio.fail_after(15):
+            assert await d.stop() == 0
+        for s in [*streams, silent]:
+            await s.aclose()
