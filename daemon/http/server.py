@@ -24,6 +24,8 @@ MAX_HEAD = 16 * 1024
 MAX_BODY = 64 * 1024
 #: How long a client may take to send its request.
 READ_TIMEOUT_S = 10.0
+#: How long one write may wait for a client that does not read.
+WRITE_TIMEOUT_S = 30.0
 #: Connections at once; more are refused with 503.
 MAX_CONNECTIONS = 64
 #: A Unix socket's mode: the daemon's own group may scrape.
@@ -205,13 +207,18 @@ async def _read(conn: anyio.abc.SocketStream) -> Request | Response:
 
 
 async def _send(conn: anyio.abc.SocketStream, r: Response) -> None:
+    async def write(chunk: bytes) -> None:
+        # A client that stops reading must not hold its slot (and a log subscription) forever.
+        with anyio.fail_after(WRITE_TIMEOUT_S):
+            await conn.send(chunk)
+
     reason = HTTPStatus(r.status).phrase if r.status in HTTPStatus._value2member_map_ else ""
     head = [f"HTTP/1.1 {r.status} {reason}", f"Content-Type: {r.content_type}"]
     head += ["Connection: close", "X-Content-Type-Options: nosniff", "Cache-Control: no-store"]
     head += [f"{k}: {v}" for k, v in r.headers]
     if r.stream is None:
         head.append(f"Content-Length: {len(r.body)}")
-        await conn.send(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + r.body)
+        await write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + r.body)
         return
-    await conn.send(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
-    await r.stream(conn.send)
+    await write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
+    await r.stream(write)
