@@ -113,6 +113,9 @@ async def test_exactly_once_across_sigkill(short_tmp: Path, hook_out: Path) -> N
             await wait_status(c, "target", "Failed")  # committed, with its hook queued
         assert of(hook_out, "target") == []  # it waits for a slot
         await d.kill()
+        for pid in slow_pids(hook_out):  # orphaned by the kill; they must never finish
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         await d.start()  # the restart runs it: it was queued, never started
         await until(lambda: len(of(hook_out, "target")) == 1)
         interrupted = await logged(d, "hook_interrupted", count=SLOTS)
