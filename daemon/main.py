@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -96,6 +97,7 @@ async def run_daemon(
                 history_keep=cfg.store.history_keep,
                 metrics=metrics,
             ) as store,
+            _dashboard_token(dashboard_on, store.path.parent) as token,
             Runtime.open(
                 store, registry, replace(settings_of(cfg), hold=hold), logs=hub, metrics=metrics
             ) as rt,
@@ -145,7 +147,6 @@ async def run_daemon(
             if scrape_on is not None:
                 scrape = metrics_handler(metrics, gauges=store, waits=rt.arms.kinds)
                 tg.start_soon(partial(serve_http, scrape_on, scrape, name="metrics"))
-            token = load_token(store.path.parent) if dashboard_on is not None else ""
             if dashboard_on is not None:
                 dashboard = Dashboard(
                     token=token,
@@ -236,6 +237,14 @@ def _configure_control(control: Server, cfg: Config) -> None:
         max_connections=d.max_connections,
         idle_timeout=d.idle_timeout_s,
     )
+
+
+@asynccontextmanager
+async def _dashboard_token(listener: object, folder: Path) -> AsyncIterator[str]:
+    """Yield the dashboard's token ("" when it is off); a bad token file stops the start."""
+    # A context of the start-up chain, not a call inside the task group: there an error
+    # would come out wrapped in an ExceptionGroup instead of as one line and exit code 2.
+    yield load_token(folder) if listener is not None else ""
 
 
 def dashboard_url(listen: str, token: str) -> dict[str, Any]:

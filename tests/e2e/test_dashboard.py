@@ -218,3 +218,16 @@ async def test_open_event_streams_do_not_hold_up_a_stop(short_tmp: Path) -> None
             assert await d.stop() == 0
         for s in [*streams, silent]:
             await s.aclose()
+
+
+async def test_unusable_token_file_stops_the_start(short_tmp: Path) -> None:
+    """A token file the daemon cannot read (here: a folder) stops the start: exit 2, one line."""
+    from tests.helpers.harness import run_workflowd, write_config
+
+    (short_tmp / "dashboard.token").mkdir()
+    config = write_config(short_tmp, MODULES, http={"listen": f"127.0.0.1:{free_port()}"})
+    code, err = await run_workflowd(config)
+    assert code == 2, err
+    assert err.strip().splitlines() == [
+        f"workflowd: cannot read {short_tmp}/dashboard.token: Is a directory"
+    ]
