@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from daemon.http.server import Handler, Request, Response, text
-from daemon.observe.metrics import CONTENT_TYPE, Metrics
+from daemon.observe.metrics import CONTENT_TYPE, OPENMETRICS_TYPE, Metrics
 from daemon.store.base import Gauges
 
 
@@ -24,6 +24,9 @@ def metrics_handler(
             inbox=await gauges.inbox_depth(),
             waits=waits(),
         )
+        # Prometheus asks for OpenMetrics when it can take it; anything else gets the classic text.
+        if "application/openmetrics-text" in request.headers.get("accept", ""):
+            return Response(200, metrics.render(openmetrics_format=True), OPENMETRICS_TYPE)
         return Response(200, metrics.render(), CONTENT_TYPE)
 
     return handle

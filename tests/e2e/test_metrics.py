@@ -5,6 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers.harness import run_workflowd, running_daemon, write_config
@@ -93,6 +96,12 @@ async def test_metrics_count_a_known_run(short_tmp: Path) -> None:
         assert value(found, "workflowd_commit_batch_size_sum") >= commits
         assert value(found, "workflowd_inbox_depth") == 0
         assert value(found, "workflowd_build_info", version="0.1.0") == 1
+        om = await fetch(address, "/metrics", headers={"Accept": "application/openmetrics-text"})
+        assert om.headers["content-type"].startswith("application/openmetrics-text")
+        # The library leaves the OpenMetrics parser without annotations.
+        families = openmetrics_families(om.body.decode())  # type: ignore[no-untyped-call]
+        parsed = {f.name for f in families}
+        assert {"workflowd_steps", "workflowd_workflows", "workflowd_build_info"} <= parsed
         assert (await fetch(address, "/nope")).status == 404
         assert (await fetch(address, "/metrics", method="POST")).status == 405
 
