@@ -8,7 +8,8 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -18,16 +19,24 @@ import anyio
 import anyio.abc
 import structlog
 
+from daemon.control.dispatch import version
 from daemon.control.server import Server, serve
 from daemon.control.sockfile import listener_from_systemd
 from daemon.core.schedule import Schedule
 from daemon.core.workflow import Workflow
-from daemon.errors import ConfigError, StoreLocked, StoreUnusable, ValidationError
+from daemon.errors import ConfigError, StoreLocked, StoreUnusable, Unavailable, ValidationError
+from daemon.http.dashboard import Dashboard
+from daemon.http.scrape import metrics_handler
+from daemon.http.server import listening, serve_http
+from daemon.http.token import load_token
 from daemon.identity import refuse_foreign
+from daemon.observe.hooks import Hooks, HookSettings
+from daemon.observe.metrics import Metrics
 from daemon.ops.backup import BackupPolicy, Backups
 from daemon.ops.modules import load_registry, schedules_of
 from daemon.ops.reload import Reloader, settings_of
 from daemon.ops.repairs import Repairs
+from daemon.runtime.cache import Cache
 from daemon.runtime.runtime import Runtime
 from daemon.runtime.schedules import Schedules
 from daemon.runtime.supervise import supervise
@@ -81,14 +90,22 @@ async def run_daemon(
     With `hold`, no workflow runs until `workflowctl resume-all` (or `resume ID`).
     """
     notifier = Notifier.from_env(unset=True)
+    metrics = Metrics(version())
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with (
+            # Bound first: an address that cannot be bound stops the start, before READY.
+            listening(cfg.metrics.listen) as scrape_on,
+            listening(cfg.http.listen) as dashboard_on,
             SQLiteStore.open(
                 cfg.store.path,
                 synchronous=cfg.store.synchronous,
                 history_keep=cfg.store.history_keep,
+                metrics=metrics,
             ) as store,
-            Runtime.open(store, registry, replace(settings_of(cfg), hold=hold), logs=hub) as rt,
+            _dashboard_token(dashboard_on, store.path.parent) as token,
+            Runtime.open(
+                store, registry, replace(settings_of(cfg), hold=hold), logs=hub, metrics=metrics
+            ) as rt,
             anyio.create_task_group() as tg,
         ):
             # Everything recovery loaded (re-armed waits, cached workflows) lives long: keep
@@ -123,7 +140,27 @@ async def run_daemon(
                 running=rt.scheduler.running,
                 held=lambda: rt.scheduler.hold.held,
                 schedules=schedules,
+                metrics=metrics,
             )
+            hooks = Hooks(
+                queue=store,
+                settings=lambda: hook_settings(reloader.cfg),
+                of_type=partial(_type_hook, rt.cache),
+            )
+            rt.on_ended = hooks.wake
+            tg.start_soon(hooks.run, tg)
+            if scrape_on is not None:
+                scrape = metrics_handler(metrics, gauges=store, waits=rt.arms.kinds)
+                tg.start_soon(partial(serve_http, scrape_on, scrape, name="metrics"))
+            if dashboard_on is not None:
+                dashboard = Dashboard(
+                    token=token,
+                    workflows=rt,
+                    tools=repairs,
+                    timetable=timetable,
+                    types=lambda: sorted(rt.cache.registry),
+                )
+                tg.start_soon(partial(serve_http, dashboard_on, dashboard, name="dashboard"))
             rt.scheduler.on_exit = timetable.workflow_exited
             reloader.on_schedules = timetable.configure
             firing = anyio.CancelScope()
@@ -152,6 +189,7 @@ async def run_daemon(
                     Backups(store=store, policy=lambda: backup_policy(reloader.cfg)),
                 ),
                 schedules=timetable,
+                dashboard=partial(dashboard_url, cfg.http.listen, token),
             )
             control = anyio.CancelScope()
 
@@ -208,6 +246,37 @@ def _configure_control(control: Server, cfg: Config) -> None:
         max_connections=d.max_connections,
         idle_timeout=d.idle_timeout_s,
     )
+
+
+@asynccontextmanager
+async def _dashboard_token(listener: object, folder: Path) -> AsyncIterator[str]:
+    """Yield the dashboard's token ("" when it is off); a bad token file stops the start."""
+    # A context of the start-up chain, not a call inside the task group: there an error
+    # would come out wrapped in an ExceptionGroup instead of as one line and exit code 2.
+    yield load_token(folder) if listener is not None else ""
+
+
+def dashboard_url(listen: str, token: str) -> dict[str, Any]:
+    """Return what `workflowctl dashboard` prints: the URL with the token (and the socket)."""
+    if not listen:
+        raise Unavailable("the dashboard is off: set [http] listen in config.toml")
+    if "/" in listen:  # a Unix socket: a proxy (or curl --unix-socket) reaches it
+        return {"url": f"http://localhost/?token={token}", "socket": listen}
+    return {"url": f"http://{listen}/?token={token}"}
+
+
+def hook_settings(cfg: Config) -> HookSettings:
+    """Map the `[hooks]` section onto the hook runner's settings (read at every ending)."""
+    h = cfg.hooks
+    return HookSettings(on_failure=h.on_failure, on_finish=h.on_finish, timeout_s=h.timeout_s)
+
+
+def _type_hook(cache: Cache, workflow: str, status: str) -> Sequence[str] | None:
+    """Return the argv a workflow type sets for this ending, or None to use `[hooks]`."""
+    cls = cache.registry.get(workflow)
+    if cls is None:
+        return None
+    return cls.on_failure if status == "Failed" else cls.on_finish
 
 
 def status_line(counts: dict[str, int], busy: int) -> str:
@@ -286,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     except StoreLocked as e:
         print(f"workflowd: {e}", file=sys.stderr)
         return 1
-    except StoreUnusable as e:  # raised before READY: the daemon never ran
+    except (StoreUnusable, ConfigError) as e:  # raised before READY: the daemon never ran
         print(f"workflowd: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -21,12 +21,14 @@ ALLOWED: dict[str, set[str]] = {
     "clock": set(),
     "identity": set(),
     "core": {"errors", "clock"},
-    "store": {"errors", "clock", "core"},
-    "service": {"errors", "clock", "core"},
+    "observe": {"errors", "clock", "core"},
+    "store": {"errors", "clock", "core", "observe"},
+    "service": {"errors", "clock", "core", "observe"},
     "handlers": {"errors", "clock", "core"},
-    "runtime": {"errors", "clock", "core", "store"},
+    "runtime": {"errors", "clock", "core", "store", "observe"},
     "ops": {"errors", "clock", "core", "store", "runtime", "service"},
     "control": {"errors", "clock", "identity", "core", "store", "runtime", "ops", "service"},
+    "http": {"errors", "clock", "core", "store", "runtime", "ops", "service", "observe"},
     "daemon": {"errors", "core"},
     "examples": {"core", "handlers"},
     "main": {
@@ -39,6 +41,8 @@ ALLOWED: dict[str, set[str]] = {
         "ops",
         "service",
         "control",
+        "observe",
+        "http",
     },
 }
 #: Standard and third-party modules that do I/O: the engine never imports them.

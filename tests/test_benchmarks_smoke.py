@@ -10,6 +10,7 @@ import pytest
 from tests.benchmarks import (
     bench_control,
     bench_log,
+    bench_metrics,
     bench_runtime,
     bench_schedules,
     bench_timers,
@@ -134,3 +135,10 @@ class TestLogBench:
             figures,
             {"info_record_loop_us", "filtered_debug_record_loop_us", "error_record_us"},
         )
+class TestMetricsBench:
+    """bench_metrics at a tiny size."""
+
+    def test_step_collection(self) -> None:
+        """The per-step collection cost and one scrape's time are reported."""
+        figures = bench_metrics.run(calls=1000, repeats=1)
+        _check("bench_metrics", figures, {"step_collect_us", "scrape_ms"})

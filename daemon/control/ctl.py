@@ -265,6 +265,7 @@ def add_repair_commands(command: Any) -> None:
     ]:
         command(name, help).add_argument("workflow_id", metavar="ID")
     command("resume-all", "end the hold of `workflowd --hold`: every workflow runs")
+    command("dashboard", "print the dashboard's address, with its access token")
     p = command("gc", "delete finished workflows older than the retention now")
     p.add_argument("--keep-days", type=float, help="default: [store] keep_finished_days")
 
@@ -362,6 +363,10 @@ def show(command: str, result: Any) -> str:
             return table(rows, columns) if rows else "no history"
         case "send", str(text):
             return text
+        case "dashboard", {"url": str(url), "socket": str(path)}:
+            return f"{url}  (served on the Unix socket {path})"
+        case "dashboard", {"url": str(url)}:
+            return url
         case "graph", str(text):
             return text.rstrip("\n")
         case "lint", list(rows):

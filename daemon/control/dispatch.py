@@ -106,9 +106,11 @@ class Dispatcher:
         repairs: RepairTools | None = None,
         ops: DaemonOps | None = None,
         schedules: ScheduleTools | None = None,
+        dashboard: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self._backend, self._repairs, self._ops = backend, repairs, ops
         self._schedules = schedules
+        self._dashboard = dashboard
 
     async def __call__(self, req: proto.AnyRequest, reply: Reply, who: int | None = None) -> Any:
         """Run one request from the peer with uid `who`; return its result."""
@@ -149,6 +151,10 @@ class Dispatcher:
                 | proto.ScheduleResume() | proto.ScheduleTrigger()
             ):  # fmt: skip
                 return await self._schedule(req)
+            case proto.Dashboard():
+                if self._dashboard is None:
+                    raise Unavailable("this server does not offer a dashboard")
+                return self._dashboard()
             case _:
                 assert_never(req)
 

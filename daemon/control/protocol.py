@@ -213,11 +213,16 @@ class ScheduleTrigger(Request, tag="schedule_trigger"):
     name: str
 
 
+class Dashboard(Request, tag="dashboard"):
+    """Return the dashboard's address with its access token (`unavailable` when it is off)."""
+
+
 ScheduleRequest = Schedules | ScheduleShow | SchedulePause | ScheduleResume | ScheduleTrigger
 AnyRequest = (
     Ping | Start | Send | List | Show | History | Cancel | Logs | Reload | Backup
     | Graph | Lint | Goto | Edit | Undo | Retry | Resume | ResumeAll | Gc
     | Schedules | ScheduleShow | SchedulePause | ScheduleResume | ScheduleTrigger
+    | Dashboard
 )  # fmt: skip
 #: Each op's request type.
 REQUESTS: dict[str, type[AnyRequest]] = {t.__struct_config__.tag: t for t in AnyRequest.__args__}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,12 +39,15 @@ async def serve(
     ops: DaemonOps | None = None,
     schedules: ScheduleTools | None = None,
     task_status: anyio.abc.TaskStatus[Any] = anyio.TASK_STATUS_IGNORED,
+    dashboard: Callable[[], dict[str, Any]] | None = None,
 ) -> None:
     """Serve the control protocol until cancelled; remove the socket file we created on exit.
 
     Reports the `Server` as started, whose `configure` changes limits live.
     """
-    server = Server(Dispatcher(backend, repairs=repairs, ops=ops, schedules=schedules))
+    server = Server(
+        Dispatcher(backend, repairs=repairs, ops=ops, schedules=schedules, dashboard=dashboard)
+    )
     server.configure(
         allowed_uids=allowed_uids,
         allowed_groups=allowed_groups,

@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar, Self, TypeVar
 
 import msgspec
@@ -88,6 +88,10 @@ class Workflow:
 
     #: The name workflows of this class are registered and started under.
     name: ClassVar[str] = "Workflow"
+    #: An argv template run when a workflow of this type fails (or finishes), instead of the
+    #: `[hooks]` one; `[]` runs none. None: the `[hooks]` one.
+    on_failure: ClassVar[Sequence[str] | None] = None
+    on_finish: ClassVar[Sequence[str] | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 from daemon.core.state import MAIN_THREAD, EventStatus, State, ThreadStatus, WorkflowStatus
 
-FORMATS = ("mermaid", "dot")
+FORMATS = ("mermaid", "dot", "svg")
 
 _EVENT_MARK = {
     EventStatus.SETUP: "armed",
@@ -193,7 +193,7 @@ def render(
     title: str = "",
     failed_step: str = "",
 ) -> str:
-    """Return the diagram of a definition tree in `fmt` ("mermaid" or "dot").
+    """Return the diagram of a definition tree in `fmt` ("mermaid", "dot" or "svg").
 
     With a `state`, mark where each thread is (the position of a failed workflow is its last
     checkpoint: the step after it is usually `failed_step`) and the status of each wait.
@@ -204,6 +204,8 @@ def render(
     b.thread(MAIN_THREAD, tree.get("children", []), [])
     if state is not None:
         _overlay(b.g, state, failed_step)
+    if fmt == "svg":
+        return _svg(b.g, title)
     return _mermaid(b.g, title) if fmt == "mermaid" else _dot(b.g, title)
 
 
@@ -270,4 +272,96 @@ def _dot(g: _Graph, title: str) -> str:
         tail = f" [{', '.join(a)}]" if a else ""
         out.append(f"  {src} -> {dst}{tail};")
     out.append("}")
+    return "\n".join(out) + "\n"
+
+
+#: The SVG layout: node width, line height, gaps; one column per thread, one row per node.
+_W, _LINE, _GAP, _COL, _NOTE_W = 230, 16, 22, 320, 190
+
+
+def _svg(g: _Graph, title: str) -> str:
+    """Draw the graph as SVG without Graphviz: nodes top-down in definition order.
+
+    Each node is a `<g class="node SHAPE MARK">` carrying `data-name` (the statement or event
+    name), so a page can find and style the current position.
+    """
+    from html import escape
+
+    names = {nid: name for name, nid in g.named.items()}
+    columns = {c: i for i, c in enumerate(_clusters(g))}
+    pos: dict[str, tuple[float, float, float, float]] = {}  # id -> x, y, w, h
+    y = 50.0 if title else 20.0
+    notes = [n for n in g.nodes if n.mark == "note" or n.shape == "note"]
+    # A thread's end node is made before its body; it is drawn after it, the main one last.
+    body = [n for n in g.nodes if n not in notes and n.shape != "end"]
+    ends = sorted((n for n in g.nodes if n.shape == "end"), key=lambda n: n.cluster == "")
+    for n in [*body, *ends]:
+        h = 14.0 + _LINE * len(n.lines)
+        pos[n.id] = (60.0 + columns[n.cluster] * _COL, y, float(_W), h)
+        y += h + _GAP
+    note_ids = {m.id for m in notes}
+    targets = {src: dst for src, dst, _, dotted in g.edges if dotted and src in note_ids}
+    stacked: dict[str, float] = {}
+    for n in notes:
+        h = 14.0 + _LINE * len(n.lines)
+        at = pos.get(targets.get(n.id, ""))
+        x, ny = (at[0] + _W + 40, at[1]) if at else (60.0, y)
+        ny += stacked.get(targets.get(n.id, ""), 0.0)
+        stacked[targets.get(n.id, "")] = stacked.get(targets.get(n.id, ""), 0.0) + h + 6
+        if not at:
+            y += h + _GAP
+        pos[n.id] = (x, ny, float(_NOTE_W), h)
+    width = max((x + w for x, _, w, _ in pos.values()), default=100) + 40
+    height = max((yy + h for _, yy, _, h in pos.values()), default=40) + 20
+    head = (
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="workflow-graph" width="{width:.0f}"'
+        f' height="{height:.0f}" viewBox="0 0 {width:.0f} {height:.0f}"'
+        ' font-family="sans-serif" font-size="12">'
+    )
+    arrow = (
+        '<defs><marker id="arrow" viewBox="0 0 10 10" refX="10" refY="5"'
+        ' markerWidth="7" markerHeight="7" orient="auto-start-reverse">'
+        '<path d="M 0 0 L 10 5 L 0 10 z" fill="#555"/></marker></defs>'
+    )
+    out = [head, arrow]
+    if title:
+        out.append(f'<text x="20" y="26" font-size="15" font-weight="bold">{escape(title)}</text>')
+    for src, dst, label, dotted in g.edges:
+        if src not in pos or dst not in pos:
+            continue
+        sx, sy, sw, sh = pos[src]
+        dx, dy, dw, _ = pos[dst]
+        dash = ' stroke-dasharray="5,4"' if dotted else ""
+        if src in note_ids:
+            d = f"M {sx:.0f} {sy + sh / 2:.0f} L {dx + dw:.0f} {dy + 12:.0f}"
+        elif dy > sy:
+            d = f"M {sx + sw / 2:.0f} {sy + sh:.0f} L {dx + dw / 2:.0f} {dy:.0f}"
+        else:  # a loop back up: around the left side
+            d = (
+                f"M {sx:.0f} {sy + sh / 2:.0f} C {sx - 40:.0f} {sy + sh / 2:.0f},"
+                f" {dx - 40:.0f} {dy + 12:.0f}, {dx:.0f} {dy + 12:.0f}"
+            )
+        out.append(
+            f'<path class="edge" d="{d}" fill="none" stroke="#555"{dash} marker-end="url(#arrow)"/>'
+        )
+        if label and dy > sy:
+            mx, my = (sx + sw / 2 + dx + dw / 2) / 2 + 4, (sy + sh + dy) / 2 + 4
+            out.append(f'<text class="edge-label" x="{mx:.0f}" y="{my:.0f}">{escape(label)}</text>')
+    for n in g.nodes:
+        x, ny, width_n, h = pos[n.id]
+        fill, stroke = ("#ffffff", "#555") if not n.mark else _MARKS[n.mark][1:]
+        thick = 3.0 if n.mark in ("here", "failed") else 1.5
+        rx = 18 if n.shape in ("start", "end") else 10 if n.shape == "branch" else 3
+        name = escape(names.get(n.id, ""), quote=True)
+        classes = " ".join(c for c in ("node", n.shape, n.mark) if c)
+        out.append(f'<g class="{classes}" data-id="{n.id}" data-name="{name}">')
+        out.append(
+            f'<rect x="{x:.0f}" y="{ny:.0f}" width="{width_n:.0f}" height="{h:.0f}" rx="{rx}" fill="{fill}"'
+            f' stroke="{stroke}" stroke-width="{thick}"/>'
+        )
+        for i, line in enumerate(n.lines):
+            ty = ny + 7 + _LINE * (i + 1) - 3
+            out.append(f'<text x="{x + 8:.0f}" y="{ty:.0f}">{escape(line)}</text>')
+        out.append("</g>")
+    out.append("</svg>")
     return "\n".join(out) + "\n"

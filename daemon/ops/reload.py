@@ -37,6 +37,8 @@ RESTART_KEYS = (
     "store.synchronous",
     "store.history_keep",
     "log.format",
+    "metrics.listen",
+    "http.listen",
 )
 
 

@@ -265,15 +265,21 @@ class Repairs:
             errors = [ev.error for t in loaded.state.threads for ev in t.wait_events if ev.error]
             log.warning("undo_teardown_failed", failed=failed, errors=errors)
 
-    async def retry(self, workflow_id: str, *, who: int | None = None) -> dict[str, Any]:
-        """Resume a failed workflow from where it failed, with a fresh attempt count."""
+    async def retry(
+        self, workflow_id: str, *, who: int | None = None, by: str | None = None
+    ) -> dict[str, Any]:
+        """Resume a failed workflow from where it failed, with a fresh attempt count.
+
+        `by` names who asked ("dashboard"), for the history record.
+        """
         async with self._scheduler.exclusive(workflow_id) as loaded:
             if loaded.state.status is not WorkflowStatus.FAILED:
                 raise Conflict(f"workflow {workflow_id} is {loaded.state.status}, not Failed")
             error = loaded.error
             _revive(loaded)
             loaded.state.update_status()
-            await self._save(loaded, "retry", {**_who(who), "error": error})
+            by_whom = {"by": by} if by is not None else {}
+            await self._save(loaded, "retry", {**_who(who), **by_whom, "error": error})
             out = {"workflow_id": workflow_id, "status": loaded.state.status.value}
             return {**out, **self._still_unfit(workflow_id)}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from daemon.core.statements import NonRetryableError, Retry, Step
 from daemon.core.waits import teardown_ended
 from daemon.core.workflow import Workflow
 from daemon.errors import CallbackNotFound, HandlerRejected, StepFailed, Unavailable, WorkflowdError
+from daemon.observe.metrics import Metrics
 from daemon.runtime.arming import Arms
 from daemon.runtime.cache import Cache, Loaded
 from daemon.runtime.settings import Settings
@@ -50,6 +52,10 @@ class Actor:
     limiter: anyio.CapacityLimiter
     #: Called when an ended workflow kept a wait whose teardown failed (the janitor retries it).
     on_leftover: Callable[[], None]
+    #: Counts steps and callbacks for `/metrics`.
+    metrics: Metrics | None = None
+    #: Called once the workflow has ended (Failed or Finished) and that is durable.
+    on_ended: Callable[[], None] | None = None
     items: deque[Item] = field(default_factory=deque)
     # asyncio's event, not anyio's: actors come and go once per resume, and anyio looks its
     # backend up on every Event it makes (the daemon runs on asyncio only).
@@ -67,6 +73,7 @@ class Actor:
     #: Inbox events applied (or rejected) in memory since the last save.
     _unsaved: list[Item] = field(default_factory=list)
     _io_failures: int = 0
+    _workflow: str = ""
 
     @property
     def busy(self) -> bool:
@@ -99,6 +106,7 @@ class Actor:
             loaded = await self._load()
             if loaded is None:
                 return
+            self._workflow = loaded.state.workflow
             with bound_contextvars(workflow=loaded.state.workflow):
                 try:
                     await self._loop(loaded)
@@ -238,6 +246,8 @@ class Actor:
         await self._settle(loaded)
         if loaded.state.status is WorkflowStatus.FINISHED:
             log.info("workflow_finished")
+            if self.on_ended is not None:
+                self.on_ended()
             if loaded.state.threads:  # a wait whose teardown failed: retried by the janitor
                 self.on_leftover()
 
@@ -277,10 +287,17 @@ class Actor:
 
     async def _run_step(self, step: Step) -> None:
         self.running_step = run = StepRun(step.name)
+        outcome = "cancelled"
         try:
             await run_step(step, limiter=self.limiter, note=self._note, run=run)
+            outcome = "done"
+        except Exception:
+            outcome = "failed"
+            raise
         finally:
             self.running_step = None
+            if self.metrics is not None:
+                self.metrics.step(self._workflow, step.name, outcome, time.monotonic() - run.began)
 
     def _note(self, kind: str, detail: dict[str, Any]) -> None:
         self._history.append((kind, detail))
@@ -323,12 +340,17 @@ class Actor:
     async def _reload(self) -> Loaded:
         return await self.cache.reload(self.workflow_id)
 
-    async def _end(self, loaded: Loaded, status: WorkflowStatus, error: str | None) -> None:
+    async def _end(
+        self, loaded: Loaded, status: WorkflowStatus, error: str | None, by: Any = None
+    ) -> None:
         """Finish a workflow as failed or cancelled, tearing down every wait."""
         loaded.state.status, loaded.error, loaded.next_run_at = status, error, None
         self.arms.disarm_workflow(self.workflow_id)
         left = await teardown_ended(loaded.wf, loaded.state)
-        self._history.append((status.value.lower(), {"error": error}))
+        detail: dict[str, Any] = {"error": error}
+        if by is not None:
+            detail["by"] = by
+        self._history.append((status.value.lower(), detail))
         await self._save(loaded)
         if left:
             self.on_leftover()
@@ -336,6 +358,8 @@ class Actor:
     async def _fail(self, loaded: Loaded, error: str) -> None:
         await self._end(loaded, WorkflowStatus.FAILED, error)
         log.error("workflow_failed", error=error)
+        if self.on_ended is not None:
+            self.on_ended()
 
     async def _cancel(self, loaded: Loaded) -> None:
         self._cancelling = False
@@ -345,7 +369,8 @@ class Actor:
         try:
             if loaded.state.status not in FINAL_STATUSES:
                 loaded = await self._reload()
-                await self._end(loaded, WorkflowStatus.CANCELLED, None)
+                by = next((i.input for i in cancels if i.input is not None), None)
+                await self._end(loaded, WorkflowStatus.CANCELLED, None, by)
                 log.info("workflow_cancelled")
         except Exception as e:
             for item in cancels:  # they may ask again once the store works
@@ -384,12 +409,16 @@ class Actor:
         except Exception as e:
             reply.fail(Unavailable(f"callback not stored: {type(e).__name__}: {e}"))
             raise
+        if self.metrics is not None:
+            self.metrics.callback("applied")
         reply.set(out)
 
     async def _reject(self, loaded: Loaded, item: Item, reply: Reply, e: WorkflowdError) -> None:
         assert item.req is not None
         event = item.req.name
         log.info("callback_rejected", event_name=event, code=e.code, error=str(e))
+        if self.metrics is not None:
+            self.metrics.callback("rejected")
         reply.fail(e)
         if item.inbox_id is not None:
             self._unsaved.append(item)

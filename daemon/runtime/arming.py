@@ -16,6 +16,7 @@ from daemon.clock import Clock
 from daemon.core.definition import Definable, Definition
 from daemon.core.handler import CallbackRequest, Deliver, Handler
 from daemon.core.state import FINAL_STATUSES, EventStatus, State
+from daemon.observe.metrics import Metrics
 from daemon.runtime.supervise import supervise
 
 log = structlog.get_logger()
@@ -42,9 +43,15 @@ class Arms:
     """Keeps the timers and listen tasks of every armed wait, and fires them."""
 
     def __init__(
-        self, tg: anyio.abc.TaskGroup, clock: Clock, submit: Submit, broken: Broken
+        self,
+        tg: anyio.abc.TaskGroup,
+        clock: Clock,
+        submit: Submit,
+        broken: Broken,
+        metrics: Metrics | None = None,
     ) -> None:
         self._tg, self._clock, self._submit, self._broken = tg, clock, submit, broken
+        self._metrics = metrics
         self._heap: list[tuple[float, int, Key]] = []
         self._seq = itertools.count()
         self._timers: dict[Key, float] = {}
@@ -56,6 +63,10 @@ class Arms:
 
     def __len__(self) -> int:
         return len(self._timers) + len(self._listeners)
+
+    def kinds(self) -> dict[str, int]:
+        """Count the armed waits by kind: `timer` or `listener` (an active handler's task)."""
+        return {"timer": len(self._timers), "listener": len(self._listeners)}
 
     def armed(self, workflow_id: str) -> set[Key]:
         """Return the keys armed for one workflow."""
@@ -219,3 +230,5 @@ class Arms:
                 heapq.heappush(self._heap, entry)
                 raise
             self.disarm(key)
+            if self._metrics is not None:
+                self._metrics.timer_fired(now - due)

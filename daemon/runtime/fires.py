@@ -18,6 +18,7 @@ from daemon.clock import Clock
 from daemon.core.schedule import Plan, Schedule, iso, manual_id, plan, workflow_id
 from daemon.core.state import FINAL_STATUSES
 from daemon.errors import WorkflowdError
+from daemon.observe.metrics import Metrics
 from daemon.store.base import FireRecord, History, Store, WorkflowRow
 
 log = structlog.get_logger()
@@ -103,8 +104,10 @@ class Firer:
         status: Status,
         running: Running = never,
         spacing_s: float = SPACING_S,
+        metrics: Metrics | None = None,
     ) -> None:
         self._store, self._clock = store, clock
+        self._metrics = metrics
         self._start, self._cancel, self._status, self._running = start, cancel, status, running
         self.spacing_s = spacing_s
         #: A running workflow id -> the schedule whose buffered fire waits for it to end.
@@ -149,6 +152,7 @@ class Firer:
                     now, "skipped", nominal=p.given_up_until, reason="missed", count=p.given_up
                 )
             )
+            self._count(s.name, "skipped", p.given_up)
             log.info(
                 "schedule_skipped",
                 schedule=s.name,
@@ -181,9 +185,14 @@ class Firer:
                 e.buffered = n
                 self._waiting[running] = e
             event = "schedule_buffered" if buffer else "schedule_skipped"
+            self._count(s.name, "buffered" if buffer else "skipped")
             log.info(event, schedule=s.name, reason="overlap", nominal=iso(n), running=running)
             return
         await self.fire(e, n, "caught_up" if p.catch_up else "fired", missed)
+
+    def _count(self, schedule: str, outcome: str, n: int = 1) -> None:
+        if self._metrics is not None:
+            self._metrics.schedule_fire(schedule, outcome, n)
 
     async def _unfinished(self, e: Entry) -> str | None:
         """Return the schedule's previous workflow if it has not ended yet."""
@@ -259,6 +268,7 @@ class Firer:
                     self._last_of.pop(e.last_workflow_id, None)
                 e.last_workflow_id, e.last_fire_at, e.fired_at = wid, now, now
                 e.last_ended, self._last_of[wid] = False, e
+        self._count(s.name, kind)
         late = round(now - nominal, 3) if nominal is not None else None
         log.info(
             "schedule_fired",

@@ -20,6 +20,7 @@ from daemon.core.handler import CallbackRequest
 from daemon.core.lint import Finding, lint_workflow
 from daemon.core.state import FINAL_STATUSES, EventStatus, State, WorkflowStatus
 from daemon.errors import CallbackNotFound, Conflict, Unavailable, WorkflowNotFound
+from daemon.observe.metrics import Metrics
 from daemon.runtime.actor import Actor
 from daemon.runtime.arming import Arms
 from daemon.runtime.cache import Cache, Loaded, Registry
@@ -75,14 +76,18 @@ class Runtime:
         tg: anyio.abc.TaskGroup,
         clock: Clock,
         logs: LogSource | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.store, self.settings, self.clock, self.logs = store, settings, clock, logs
+        self.metrics = metrics
+        #: Called when a workflow has ended (Failed or Finished) durably; `main` wakes hooks.
+        self.on_ended: Callable[[], None] | None = None
         self.limiter = anyio.CapacityLimiter(settings.max_concurrent_steps)
         self.cache = Cache(store, registry, settings.cache_size, pinned=self._running)
         self.scheduler = Scheduler(
             tg, cache=self.cache, hold=Hold(settings.hold), new_actor=self._new_actor
         )
-        self.arms = Arms(tg, clock, self._submit_callback, self._listen_failed)
+        self.arms = Arms(tg, clock, self._submit_callback, self._listen_failed, metrics)
         self.recovery = Recovery(
             store=store, cache=self.cache, scheduler=self.scheduler, arms=self.arms
         )
@@ -106,7 +111,13 @@ class Runtime:
             settings=self.settings,
             limiter=self.limiter,
             on_leftover=self.janitor.wake,
+            metrics=self.metrics,
+            on_ended=self._ended,
         )
+
+    def _ended(self) -> None:
+        if self.on_ended is not None:
+            self.on_ended()
 
     @classmethod
     @asynccontextmanager
@@ -118,12 +129,13 @@ class Runtime:
         *,
         clock: Clock | None = None,
         logs: LogSource | None = None,
+        metrics: Metrics | None = None,
     ) -> AsyncIterator[Runtime]:
         """Run a runtime (recovering every unfinished workflow) until the block exits."""
         clock = clock or get_clock()
         use_clock(clock)  # handlers read it through get_clock() in every task started from here
         async with anyio.create_task_group() as tg:
-            rt = cls(store, registry, settings or Settings(), tg, clock, logs)
+            rt = cls(store, registry, settings or Settings(), tg, clock, logs, metrics)
             tg.start_soon(rt.arms.run_timers)
             try:
                 await rt.recover()
@@ -267,8 +279,11 @@ class Runtime:
         )
         return {"queued": True}
 
-    async def cancel(self, workflow_id: str) -> dict[str, Any]:
-        """Cancel a workflow: tear down its waits and stop a running step."""
+    async def cancel(self, workflow_id: str, *, by: str | None = None) -> dict[str, Any]:
+        """Cancel a workflow: tear down its waits and stop a running step.
+
+        `by` names who asked ("dashboard"), for the history record.
+        """
         self._check_open()
         try:
             loaded = await self.cache.load(workflow_id)
@@ -277,7 +292,8 @@ class Runtime:
         if loaded.state.status in FINAL_STATUSES:
             return {"workflow_id": workflow_id, "status": loaded.state.status.value}
         reply = Reply()
-        self.scheduler.submit(workflow_id, Item("cancel", reply=reply))  # interrupts its actor
+        # Queueing it interrupts its actor.
+        self.scheduler.submit(workflow_id, Item("cancel", input=by, reply=reply))
         await reply.wait()
         if self.scheduler.hold.incompatible.pop(workflow_id, None) is not None:
             await self._drop_parked(workflow_id)

@@ -24,6 +24,7 @@ import structlog
 from daemon.clock import Clock
 from daemon.core.schedule import Schedule, plan
 from daemon.errors import ScheduleNotFound
+from daemon.observe.metrics import Metrics
 from daemon.runtime.fires import SPACING_S, Cancel, Entry, Firer, Running, Start, Status, never
 from daemon.store.base import Store
 
@@ -61,9 +62,11 @@ class Schedules:
         schedules: Mapping[str, Schedule] | None = None,
         grace_s: float = LATE_GRACE_S,
         spacing_s: float = SPACING_S,
+        metrics: Metrics | None = None,
     ) -> None:
         self._store, self._clock, self._status, self._held = store, clock, status, held
         self._grace = grace_s
+        self._metrics = metrics
         self._fires = Firer(
             store=store,
             clock=clock,
@@ -72,6 +75,7 @@ class Schedules:
             status=status,
             running=running,
             spacing_s=spacing_s,
+            metrics=metrics,
         )
         self._wanted: dict[str, Schedule] = dict(schedules or {})
         self._changed = True

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.errors import ConfigError
+from daemon.observe.hooks import check_template
 
 # Only these two are expanded, so "$HOME" or "$FOO" in a path is an error, not a folder named "$FOO".
 _DIR_VARS = {"STATE_DIRECTORY": "StateDirectory=", "RUNTIME_DIRECTORY": "RuntimeDirectory="}
@@ -91,12 +92,38 @@ class LogConfig:
     format: str = _opt("enum", "auto", choices=("auto", "json", "console"))
 
 
+@dataclass(frozen=True)
+class MetricsConfig:
+    """[metrics]: where Prometheus scrapes `/metrics` ("host:port" or a Unix socket path)."""
+
+    listen: str = _opt("listen", "")  # "": off
+
+
+@dataclass(frozen=True)
+class HooksConfig:
+    """[hooks]: programs run when a workflow fails or finishes (argv templates, no shell)."""
+
+    on_failure: tuple[str, ...] = _opt("argv", ())
+    on_finish: tuple[str, ...] = _opt("argv", ())
+    timeout_s: float = _opt("float", 30.0, gt=0)
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    """[http]: where the dashboard is served ("host:port" or a Unix socket path)."""
+
+    listen: str = _opt("listen", "")  # "": off
+
+
 _SECTIONS: dict[str, type[Any]] = {
     "daemon": DaemonConfig,
     "store": StoreConfig,
     "workflows": WorkflowsConfig,
     "runtime": RuntimeConfig,
     "log": LogConfig,
+    "metrics": MetricsConfig,
+    "hooks": HooksConfig,
+    "http": HttpConfig,
 }
 
 
@@ -110,6 +137,9 @@ class Config:
     workflows: WorkflowsConfig
     runtime: RuntimeConfig
     log: LogConfig
+    metrics: MetricsConfig = MetricsConfig()
+    hooks: HooksConfig = HooksConfig()
+    http: HttpConfig = HttpConfig()
 
     @staticmethod
     def default_path() -> Path:
@@ -207,7 +237,11 @@ def _convert(value: Any, meta: dict[str, Any], base: Path) -> Any:
         if kind == "socket" and len(os.fsencode(p)) > _SUN_PATH_MAX:
             raise ValueError(f"path too long for a Unix socket (over {_SUN_PATH_MAX} bytes): {p}")
         return p
+    if kind == "listen":
+        return _listen(value, base)
     items = _list(value)
+    if kind == "argv":
+        return _argv(items)
     if kind == "paths":
         return tuple(_path(v, base) for v in items)
     if kind == "modules":
@@ -218,6 +252,33 @@ def _convert(value: Any, meta: dict[str, Any], base: Path) -> Any:
     if kind == "uids":
         return tuple(_bounded(_int(v), {"min": 0}) for v in items)
     return tuple(_gid(v) for v in items)  # kind == "groups"
+
+
+def _argv(items: list[Any]) -> tuple[str, ...]:
+    """Check a hook's argv template: strings, a program first, known placeholders only."""
+    if any(not isinstance(a, str) for a in items):
+        raise TypeError(f"expected a list of strings, got {items!r}")
+    if items and not items[0]:
+        raise ValueError("the program (first item) is empty")
+    check_template(items)
+    return tuple(items)
+
+
+def _listen(value: Any, base: Path) -> str:
+    """Check an address to serve HTTP on: "", "host:port", or a Unix socket path."""
+    if not isinstance(value, str):
+        raise TypeError(f'expected "host:port" or a socket path, got {value!r}')
+    if not value:
+        return ""
+    if "/" in value:
+        p = _path(value, base)
+        if len(os.fsencode(p)) > _SUN_PATH_MAX:
+            raise ValueError(f"path too long for a Unix socket (over {_SUN_PATH_MAX} bytes): {p}")
+        return str(p)
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f'expected "host:port" (port 1-65535) or a socket path, got {value!r}')
+    return value
 
 
 def _int(value: Any) -> int:

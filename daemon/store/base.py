@@ -206,3 +206,15 @@ class Store(Protocol):
     async def schedule_fires(self, name: str, *, limit: int = 100) -> builtins.list[FireRecord]:
         """Return a schedule's kept fires and skips, oldest first."""
         ...
+
+
+class Gauges(Protocol):
+    """The counts `/metrics` reads just before each scrape."""
+
+    async def counts_by_type(self) -> dict[tuple[str, str], int]:
+        """Return how many workflows of each (type, status) there are."""
+        ...
+
+    async def inbox_depth(self) -> int:
+        """Return how many acknowledged events are not yet applied."""
+        ...

@@ -68,6 +68,22 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (schedule, seq)
     );
     """,
+    # Hooks: the end of a workflow (Failed, Finished) queues one row in the transaction that
+    # commits it, so a crash can neither lose it nor (with `started_at`) run its hook twice.
+    """
+    CREATE TABLE hook_runs (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,  -- the key of one ending: never reused
+        workflow_id TEXT NOT NULL, workflow TEXT NOT NULL, status TEXT NOT NULL, error TEXT,
+        at REAL NOT NULL,
+        started_at REAL  -- committed before the hook runs: a restart never runs it again
+    );
+    CREATE TRIGGER hook_on_end AFTER UPDATE OF status ON workflows
+    WHEN NEW.status IN ('Failed', 'Finished') AND NEW.status IS NOT OLD.status
+    BEGIN
+        INSERT INTO hook_runs (workflow_id, workflow, status, error, at)
+        VALUES (NEW.id, NEW.name, NEW.status, NEW.error, NEW.updated_at);
+    END;
+    """,
 ]
 
 INSERT_WORKFLOW = (

@@ -23,6 +23,8 @@ from daemon.errors import (
     Unavailable,
     WorkflowNotFound,
 )
+from daemon.observe.hooks import HookRow
+from daemon.observe.metrics import Metrics
 from daemon.store import schema
 from daemon.store.base import (
     FireRecord,
@@ -45,11 +47,16 @@ class SQLiteStore:
     """The daemon's SQLite database; one writer task commits every write in groups."""
 
     def __init__(
-        self, path: Path, writer: aiosqlite.Connection, reader: aiosqlite.Connection, keep: int
+        self,
+        path: Path,
+        writer: aiosqlite.Connection,
+        reader: aiosqlite.Connection,
+        keep: int,
+        metrics: Metrics | None = None,
     ) -> None:
         self.path = path
         self._writer = writer
-        self._writes = GroupWriter(writer)
+        self._writes = GroupWriter(writer, metrics)
         self.stats = self._writes.stats
         self._reader = reader
         self._keep = keep
@@ -57,7 +64,12 @@ class SQLiteStore:
     @classmethod
     @contextlib.asynccontextmanager
     async def open(
-        cls, path: Path | str, *, synchronous: str = "normal", history_keep: int = 1000
+        cls,
+        path: Path | str,
+        *,
+        synchronous: str = "normal",
+        history_keep: int = 1000,
+        metrics: Metrics | None = None,
     ) -> AsyncIterator[SQLiteStore]:
         """Lock, open and migrate the database at `path`; drain and release it on exit.
 
@@ -82,7 +94,7 @@ class SQLiteStore:
                 reader = await schema.connect(stack, path, f"{base} PRAGMA query_only = 1;")
             except (OSError, sqlite3.Error) as e:
                 raise StoreUnusable(f"cannot open {path}: {type(e).__name__}: {e}") from None
-            store = cls(path, writer, reader, history_keep)
+            store = cls(path, writer, reader, history_keep, metrics)
             failure: Exception | None = None
             async with anyio.create_task_group() as tg:
                 tg.start_soon(store._writes.run)
@@ -419,3 +431,40 @@ class SQLiteStore:
             (name, limit),
         )
         return [FireRecord(*r) for r in reversed(rows)]
+
+    # -- hooks and gauges -------------------------------------------------------------------
+
+    async def hooks_pending(self, *, after: int = 0, limit: int = 100) -> builtins.list[HookRow]:
+        """Return up to `limit` endings with an id over `after`, oldest first."""
+        rows = await self._read(
+            "SELECT id, workflow_id, workflow, status, error, at, started_at FROM hook_runs"
+            " WHERE id > ? ORDER BY id LIMIT ?",
+            (after, limit),
+        )
+        return [HookRow(*r) for r in rows]
+
+    async def hook_claim(self, hook_id: int) -> None:
+        """Mark an ending's hook as started, durably, before it runs."""
+        now = get_clock().now()
+        await self._writes.submit(
+            lambda conn: conn.execute(
+                "UPDATE hook_runs SET started_at = ? WHERE id = ?", (now, hook_id)
+            )
+        )
+
+    async def hooks_done(self, hook_ids: Sequence[int]) -> None:
+        """Forget endings whose hooks ran (or that have none)."""
+        ids = [(i,) for i in hook_ids]
+        await self._writes.submit(
+            lambda conn: conn.executemany("DELETE FROM hook_runs WHERE id = ?", ids)
+        )
+
+    async def counts_by_type(self) -> dict[tuple[str, str], int]:
+        """Return how many workflows of each (type, status) there are."""
+        rows = await self._read("SELECT name, status, COUNT(*) FROM workflows GROUP BY 1, 2")
+        return {(name, status): n for name, status, n in rows}
+
+    async def inbox_depth(self) -> int:
+        """Return how many acknowledged events are not yet applied."""
+        ((n,),) = await self._read("SELECT COUNT(*) FROM inbox")
+        return int(n)

@@ -7,6 +7,7 @@ import builtins
 import contextlib
 import functools
 import sqlite3
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import anyio
 import structlog
 
 from daemon.errors import Unavailable
+from daemon.observe.metrics import Metrics
 
 T = TypeVar("T")
 log = structlog.get_logger(__name__)
@@ -105,8 +107,9 @@ async def _in_thread(conn: aiosqlite.Connection, fn: Callable[[sqlite3.Connectio
 class GroupWriter:
     """Owns the write connection; callers queue writes and each awaits its own commit."""
 
-    def __init__(self, conn: aiosqlite.Connection) -> None:
+    def __init__(self, conn: aiosqlite.Connection, metrics: Metrics | None = None) -> None:
         self.stats = StoreStats()
+        self._metrics = metrics
         self._conn = conn
         self._queue: deque[_Write] = deque()
         self._wake = asyncio.Event()  # set once per write: asyncio's is the cheaper one
@@ -136,9 +139,12 @@ class GroupWriter:
                     continue
                 batch = list(self._queue)
                 self._queue.clear()
+                began = time.perf_counter()
                 commits, split = await _in_thread(
                     self._conn, functools.partial(_commit_batch, batch=batch)
                 )
+                if self._metrics is not None:
+                    self._metrics.commit(time.perf_counter() - began, len(batch))
                 failed = sum(w.error is not None for w in batch)
                 self.stats.commits += commits
                 self.stats.writes += len(batch) - failed

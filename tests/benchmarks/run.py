@@ -30,6 +30,7 @@ BENCHMARKS: list[str] = [
     "bench_torture",
     "bench_fuzz",
     "bench_log",
+    "bench_metrics",
 ]
 
 KEYS = ("bench", "metric", "value", "unit", "target")

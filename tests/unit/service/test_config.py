@@ -284,3 +284,43 @@ class TestImportWorkflowModules:
         assert message.startswith("[workflows] modules: cannot import 'cfgtest_bad': ")
         assert reason in message
         assert "\n" not in message
+
+
+class TestObserveSections:
+    """[metrics], [hooks] and [http]."""
+
+    def test_defaults_are_off(self, tmp_path: Path) -> None:
+        """Nothing listens and no hook runs unless configured."""
+        cfg = load_config(write(tmp_path, ""))
+        assert cfg.metrics.listen == "" and cfg.http.listen == ""
+        assert cfg.hooks.on_failure == () and cfg.hooks.timeout_s == 30.0
+
+    def test_values(self, tmp_path: Path) -> None:
+        """host:port stays as given; a socket path resolves against the config's folder."""
+        cfg = load_config(
+            write(
+                tmp_path,
+                '[metrics]\nlisten = "127.0.0.1:9464"\n[http]\nlisten = "state/dash.sock"\n'
+                '[hooks]\non_failure = ["/bin/notify", "{workflow_id}"]\ntimeout_s = 5\n',
+            )
+        )
+        assert cfg.metrics.listen == "127.0.0.1:9464"
+        assert cfg.http.listen == str(tmp_path / "state" / "dash.sock")
+        assert cfg.hooks.on_failure == ("/bin/notify", "{workflow_id}")
+        assert cfg.hooks.timeout_s == 5.0
+
+    @pytest.mark.parametrize(
+        ("text", "message"),
+        [
+            ('[metrics]\nlisten = "9464"', "[metrics] listen"),
+            ('[http]\nlisten = "localhost:0"', "[http] listen"),
+            ("[http]\nlisten = 8473", "[http] listen"),
+            ('[hooks]\non_failure = "/bin/notify"', "[hooks] on_failure: expected a list"),
+            ('[hooks]\non_finish = ["", "x"]', "[hooks] on_finish: the program"),
+            ('[hooks]\non_failure = ["/bin/x", "{who}"]', "unknown placeholder {who}"),
+            ("[hooks]\ntimeout_s = 0", "[hooks] timeout_s"),
+        ],
+    )
+    def test_errors(self, tmp_path: Path, text: str, message: str) -> None:
+        """Each bad value stops the start with one line naming the key."""
+        assert message in error_of(tmp_path, text)

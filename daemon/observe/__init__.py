@@ -1,0 +1,1 @@
+"""Seeing the daemon from outside: Prometheus metrics and failure hooks."""
