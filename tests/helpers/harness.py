@@ -49,6 +49,7 @@ class Daemon:
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = tmp / "daemon.log"
+        self.killed = False  # a SIGKILL was sent: a log line may have been cut short
 
     def spawn(self) -> subprocess.Popen[bytes]:
         """Start the process without waiting for it to be ready."""
@@ -82,17 +83,26 @@ class Daemon:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
     def records(self) -> list[dict[str, Any]]:
-        """Return the daemon's JSON log records."""
+        """Return the daemon's JSON log records.
+
+        After a SIGKILL, a line the kill cut short is skipped (the process died mid-write);
+        otherwise every line must parse.
+        """
         out = []
         for line in self.output().splitlines():
             if line.startswith("{"):
-                out.append(json.loads(line))
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    if not self.killed:
+                        raise
         return out
 
     async def stop(self, sig: int = signal.SIGTERM) -> int:
         """Send a signal and wait (bounded) for the process to exit; return its exit code."""
         assert self.proc is not None
         if self.proc.poll() is None:
+            self.killed = self.killed or sig == signal.SIGKILL
             self.proc.send_signal(sig)
         with anyio.fail_after(30):
             while True:
