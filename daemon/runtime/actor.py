@@ -50,6 +50,8 @@ class Actor:
     limiter: anyio.CapacityLimiter
     #: Called when an ended workflow kept a wait whose teardown failed (the janitor retries it).
     on_leftover: Callable[[], None]
+    #: Called once an end (finished, failed, cancelled) is durable: a parent may wait for it.
+    on_ended: Callable[[str], None] = lambda workflow_id: None
     items: deque[Item] = field(default_factory=deque)
     # asyncio's event, not anyio's: actors come and go once per resume, and anyio looks its
     # backend up on every Event it makes (the daemon runs on asyncio only).
@@ -210,6 +212,8 @@ class Actor:
             inbox_done=[item.inbox_id for item in self._unsaved if item.inbox_id is not None],
         )
         self._history, self._unsaved = [], []
+        if loaded.state.status in FINAL_STATUSES:
+            self.on_ended(self.workflow_id)
 
     async def _checkpoint(self, loaded: Loaded, kind: CheckpointType) -> None:
         # Resume transitions are a pure function of data and state, so only what follows a
@@ -223,9 +227,12 @@ class Actor:
         async def checkpoint(kind: CheckpointType) -> None:
             await self._checkpoint(loaded, kind)
 
+        async def step(s: Step) -> None:
+            await self._run_step(s, loaded.wf)
+
         with anyio.CancelScope() as self._scope:
             try:
-                await resume(loaded.wf, loaded.state, checkpoint, run_step=self._run_step)
+                await resume(loaded.wf, loaded.state, checkpoint, run_step=step)
             except StepFailed as e:
                 await self._step_failed(loaded, e)
                 return
@@ -275,10 +282,10 @@ class Actor:
                     return
         # The wait was handled, torn down or set up again meanwhile: nothing to record.
 
-    async def _run_step(self, step: Step) -> None:
+    async def _run_step(self, step: Step, data: Workflow) -> None:
         self.running_step = run = StepRun(step.name)
         try:
-            await run_step(step, limiter=self.limiter, note=self._note, run=run)
+            await run_step(step, limiter=self.limiter, note=self._note, run=run, data=data)
         finally:
             self.running_step = None
 
@@ -312,8 +319,10 @@ class Actor:
             error=fresh.error,
             attempt=attempt,
             next_run_at=fresh.next_run_at,
-            history=[("step_failed", {**detail, "retry_in_s": delay})],
+            # What the failed attempt noted (a command's output) is kept with its failure.
+            history=[*self._history, ("step_failed", {**detail, "retry_in_s": delay})],
         )
+        self._history = []
 
     def _backoff(self, attempt: int, policy: Retry | None) -> float:
         if policy is None:
@@ -342,11 +351,13 @@ class Actor:
         cancels = [i for i in self.items if i.kind == "cancel"]
         for item in cancels:
             self.items.remove(item)
+        # A cancel may say why (a deadline that passed); an operator's says nothing.
+        why = next((str(i.input) for i in cancels if i.input is not None), None)
         try:
             if loaded.state.status not in FINAL_STATUSES:
                 loaded = await self._reload()
-                await self._end(loaded, WorkflowStatus.CANCELLED, None)
-                log.info("workflow_cancelled")
+                await self._end(loaded, WorkflowStatus.CANCELLED, why)
+                log.info("workflow_cancelled", **({"error": why} if why else {}))
         except Exception as e:
             for item in cancels:  # they may ask again once the store works
                 if item.reply is not None:
