@@ -336,7 +336,29 @@ class Repairs:
                 raise BadRequest(f"{workflow} needs field values; give a workflow id: {e}") from e
         title = f"{workflow} {workflow_id}" if workflow_id else workflow
         tree = definition_to_dict(_definition(wf))
-        return render(tree, format, state=state, title=title, failed_step=(failed or [""])[-1])
+        kids = await self._children_of(workflow_id, state) if workflow_id and state else {}
+        return render(
+            tree, format, state=state, title=title, failed_step=(failed or [""])[-1], children=kids
+        )
+
+    async def _children_of(self, workflow_id: str, state: State) -> dict[str, str]:
+        """Return, per Child case, the text naming its child: `child <id>: <status>`."""
+        rows = await self._store.list(parent=workflow_id, limit=1000)
+        status = {r.id: r.status for r in rows}
+        by_event: dict[str, str] = {}
+        # A default child id is `<parent>/<event>/<pc>`: the cases that fired are found by it.
+        for r in sorted(rows, key=lambda r: r.created_at):
+            event = r.id.removeprefix(f"{workflow_id}/").rpartition("/")[0]
+            if r.id.startswith(f"{workflow_id}/") and event:
+                by_event[event] = r.id
+        for t in state.threads:
+            for ev in t.wait_events:
+                if ev.type == "child" and ev.req.setup_data:
+                    try:
+                        by_event[ev.req.name] = str(msgspec.json.decode(ev.req.setup_data)["child"])
+                    except (msgspec.DecodeError, KeyError, TypeError):
+                        continue
+        return {e: f"child {cid}: {status.get(cid, 'gone')}" for e, cid in by_event.items()}
 
     async def lint(self, workflow: str) -> list[dict[str, Any]]:
         """Check a workflow type's definition."""
