@@ -11,6 +11,7 @@ import anyio
 from daemon import NonRetryableError, On, Retry, Run, S, Section, Step, Wait, Workflow
 from daemon.core.handler import CallbackRequest
 from handlers import Child, Signal, Timer
+from handlers.child import Policy
 
 
 @dataclass
@@ -55,7 +56,7 @@ class Nest(Workflow):
     def definition(self) -> Section:
         if self.level == 0:
             return S(Wait("w", On("go", Signal())))
-        policy = "abandon" if self.abandon else "cancel"
+        policy: Policy = "abandon" if self.abandon else "cancel"
         kid = Child("Nest", input={"level": self.level - 1}, on_parent_end=policy)
         return S(Wait("w", On("kid", kid)))
 
