@@ -10,6 +10,7 @@ import msgspec
 
 from daemon.core.children import get_children
 from daemon.core.handler import CallbackRequest, Deliver
+from daemon.core.state import MAIN_THREAD
 
 #: What happens to a running child when its case is torn down (its parent ended or was
 #: cancelled, or another case of the Wait won).
@@ -19,8 +20,9 @@ Policy = Literal["cancel", "abandon"]
 class Child:
     """Starts `workflow` at setup; fires with `{workflow_id, status, result, error}` when it ends.
 
-    The child's id defaults to `<parent id>/<case name>/<pc>`, so a setup that runs again
-    (retried, or after a crash) finds the child it started rather than starting a second one.
+    The child's id defaults to `<parent id>/<case name>/<pc>` (`<parent id>/<case name>/
+    <thread id>/<pc>` outside the main thread), so a setup that runs again (retried, or after
+    a crash) finds the child it started rather than starting a second one.
     `result` is the child's `result()` if its class defines one, else its data. `fn(outcome)`,
     if given, runs when the case fires and may change the parent's data. With
     `on_parent_end="cancel"` (the default) a child still running when its case is torn down is
@@ -52,7 +54,12 @@ class Child:
                 return str(msgspec.json.decode(req.setup_data)["child"])
             except (msgspec.DecodeError, KeyError, TypeError):
                 pass
-        return self.id or f"{req.workflow_id}/{req.name}/{req.pc}"
+        if self.id:
+            return self.id
+        if req.thread_id in ("", MAIN_THREAD):
+            return f"{req.workflow_id}/{req.name}/{req.pc}"
+        # Threads of one Go in a loop share their case names and may be at the same pc.
+        return f"{req.workflow_id}/{req.name}/{req.thread_id}/{req.pc}"
 
     async def setup(self, req: CallbackRequest) -> str:
         """Start the child (an existing one is kept) and store its id."""

@@ -39,6 +39,20 @@ def read_pid(path: Path) -> int:
     return int(path.read_text().strip())
 
 
+async def reaches(c: Client, wid: str, *statuses: str) -> dict[str, Any]:
+    """Wait until a workflow that may not exist yet (a child) reaches one of `statuses`."""
+    shown: dict[str, Any] = {}
+
+    async def check() -> bool:
+        nonlocal shown
+        response = await c.request("show", workflow_id=wid)
+        shown = response.get("result") or {}
+        return response["ok"] and shown["status"] in statuses
+
+    await eventually(check, limit_s=20)
+    return shown
+
+
 async def children(c: Client, parent: str) -> list[dict[str, Any]]:
     """Return `list --parent`."""
     rows: list[dict[str, Any]] = await c.call("list", parent=parent)
@@ -94,7 +108,7 @@ class TestChildren:
             await c.call("start", workflow="Parent", workflow_id="p", input=race)
             shown = await wait_status(c, "p", "Finished")
             assert shown["data"]["ended_by"] == "timer"
-            kid = await wait_status(c, "p/kid/1", "Cancelled")
+            kid = await reaches(c, "p/kid/1", "Cancelled")
             assert kid["parent"] == "p"
 
     async def test_sigkill_before_parent_checkpoint_starts_one_child(self, tmp_path: Path) -> None:
@@ -105,7 +119,9 @@ class TestChildren:
         await d.start()
         try:
             async with d.client() as c:
-                await c.call("start", workflow="Gated", workflow_id="g", input={"gate": str(gate)})
+                await c.call(
+                    "start", workflow="GatedParent", workflow_id="g", input={"gate": str(gate)}
+                )
 
                 async def started() -> bool:
                     return len(await children(c, "g")) == 1
@@ -134,14 +150,24 @@ class TestChildren:
         finally:
             await d.stop()
 
+    async def test_fan_out_recipe(self, tmp_path: Path) -> None:
+        """The README's recipe: a Go per item starts one child each; WaitFor sees them all."""
+        async with running_daemon(tmp_path, MODULES) as d, d.client() as c:
+            await c.call("start", workflow="Release", workflow_id="rel", input={"nums": [1, 2, 3]})
+            shown = await wait_status(c, "rel", "Finished")
+            sums = sorted(o["result"]["sum"] for o in shown["data"]["built"].values())
+            assert sums == [1, 2, 3]
+            assert len(await children(c, "rel")) == 3
+
     async def test_cancel_cascades_three_levels(self, tmp_path: Path) -> None:
         """Cancelling the top of three nested workflows cancels all three."""
         async with running_daemon(tmp_path, MODULES) as d, d.client() as c:
             await c.call("start", workflow="Nest", workflow_id="n", input={"level": 2})
-            await wait_status(c, "n/kid/1/kid/1", "Waiting")
+            await reaches(c, "n/kid/1/kid/1", "Waiting")
             assert (await c.call("cancel", workflow_id="n"))["status"] == "Cancelled"
+            # The cancel is answered once the whole tree is down, children first.
             for wid in ("n", "n/kid/1", "n/kid/1/kid/1"):
-                await wait_status(c, wid, "Cancelled")
+                assert (await c.call("show", workflow_id=wid))["status"] == "Cancelled"
             top = await c.call("show", workflow_id="n")
             assert [k["workflow_id"] for k in top["children"]] == ["n/kid/1"]
 
@@ -150,7 +176,7 @@ class TestChildren:
         async with running_daemon(tmp_path, MODULES) as d, d.client() as c:
             nest = {"level": 1, "abandon": True}
             await c.call("start", workflow="Nest", workflow_id="n", input=nest)
-            await wait_status(c, "n/kid/1", "Waiting")
+            await reaches(c, "n/kid/1", "Waiting")
             await c.call("cancel", workflow_id="n")
             await wait_status(c, "n", "Cancelled")
             assert (await c.call("show", workflow_id="n/kid/1"))["status"] == "Waiting"
@@ -258,7 +284,7 @@ class TestDeadline:
             assert shown["deadline"] > shown["created_at"]
             shown = await wait_status(c, "dl", "Cancelled")
             assert shown["error"] == "deadline passed"
-            await wait_status(c, "dl/kid/1", "Cancelled")
+            await reaches(c, "dl/kid/1", "Cancelled")
 
     async def test_deadline_kills_running_command(self, tmp_path: Path) -> None:
         """A command still running at the deadline is killed with its process group."""

@@ -8,7 +8,7 @@ from typing import Any
 
 import anyio
 
-from daemon import NonRetryableError, On, Retry, Run, S, Section, Step, Wait, Workflow
+from daemon import Go, NonRetryableError, On, Retry, Run, S, Section, Step, Wait, WaitFor, Workflow
 from daemon.core.handler import CallbackRequest
 from handlers import Child, Signal, Timer
 from handlers.child import Policy
@@ -109,7 +109,7 @@ class Gate:
 
 
 @dataclass
-class Gated(Workflow):
+class GatedParent(Workflow):
     """Starts an Adder child, then blocks its own checkpoint in a Gate's setup."""
 
     gate: str = ""
@@ -167,3 +167,24 @@ class Patient(Workflow):
 
     def definition(self) -> Section:
         return S(Wait("w", On("go", Signal())))
+
+
+@dataclass
+class Release(Workflow):
+    """The README's fan-out recipe: one thread and one Adder child per item, then a WaitFor."""
+
+    nums: list[int] = field(default_factory=list)
+    built: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def took(self, outcome: dict[str, Any]) -> None:
+        self.built[outcome["workflow_id"]] = outcome
+
+    def definition(self) -> Section:
+        builds = [
+            Go(
+                f"build_{i}",
+                Wait(f"wait_{i}", On(f"built_{i}", Child("Adder", input={"a": n}, fn=self.took))),
+            )
+            for i, n in enumerate(self.nums)
+        ]
+        return S(*builds, WaitFor("all_built", len(self.built) == len(self.nums)))
