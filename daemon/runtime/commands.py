@@ -64,24 +64,36 @@ async def run_command(
     env = {**os.environ, **run.env} if run.env is not None else None
     data = run.stdin.encode() if isinstance(run.stdin, str) else run.stdin
     out, err = _Tail(run.output_max_bytes), _Tail(run.output_max_bytes)
+    # Pipes of our own rather than asyncio's: each is closed here whatever happens, even
+    # when a pump is cancelled with unread output in it.
+    out_r, out_w = _pipe("r")
+    err_r, err_w = _pipe("r")
+    in_r, in_w = _pipe("w") if data is not None else (subprocess.DEVNULL, -1)
+    stdin = [in_w]  # _feed closes it once written (EOF for the command), else we do below
     began = time.monotonic()
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=subprocess.DEVNULL if data is None else subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        cwd=run.cwd,
-        env=env,
-        start_new_session=True,  # its own process group: killed as a whole, never by our tty
-    )
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=in_r,
+            stdout=out_w,
+            stderr=err_w,
+            cwd=run.cwd,
+            env=env,
+            start_new_session=True,  # its own process group: killed as a whole, never by our tty
+        )
+    except BaseException:
+        _close(out_r, err_r, *stdin)
+        raise
+    finally:
+        _close(out_w, err_w, in_r)
     outcome = "cancelled"
     try:
         with anyio.fail_after(run.timeout) if run.timeout else contextlib.nullcontext():
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_pump, proc.stdout, out)
-                tg.start_soon(_pump, proc.stderr, err)
+                tg.start_soon(_pump, out_r, out)
+                tg.start_soon(_pump, err_r, err)
                 if data is not None:
-                    tg.start_soon(_feed, proc.stdin, data)
+                    tg.start_soon(_feed, stdin, data)
                 await proc.wait()
                 # The leader is gone; what it left in its group would hold the pipes open.
                 await _end_group(proc.pid, kill_after_s)
@@ -90,10 +102,13 @@ async def run_command(
         outcome = "timeout"
     finally:
         with anyio.CancelScope(shield=True):
-            await _terminate(proc, kill_after_s)
-            with anyio.move_on_after(1):  # what is still in the pipes, now that no one writes
-                await _pump(proc.stdout, out)
-                await _pump(proc.stderr, err)
+            try:
+                await _terminate(proc, kill_after_s)
+                with anyio.move_on_after(1):  # what is still in the pipes, now no one writes
+                    await _pump(out_r, out)
+                    await _pump(err_r, err)
+            finally:
+                _close(out_r, err_r, *stdin)
             code = proc.returncode
             ms = round((time.monotonic() - began) * 1000, 3)
             record = {
@@ -129,20 +144,52 @@ def _code_text(code: int | None) -> str:
     return f"code {code}"
 
 
-async def _pump(stream: asyncio.StreamReader | None, tail: _Tail) -> None:
-    if stream is None:
-        return
-    while chunk := await stream.read(_CHUNK):
+def _pipe(ours: str) -> tuple[int, int]:
+    """Return a pipe's read and write ends; only `ours` ("r" or "w") is made non-blocking.
+
+    The command's end stays blocking: the flag belongs to the open file, which it shares.
+    """
+    r, w = os.pipe2(os.O_CLOEXEC)
+    os.set_blocking(r if ours == "r" else w, False)
+    return r, w
+
+
+def _close(*fds: int) -> None:
+    for fd in fds:
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+async def _pump(fd: int, tail: _Tail) -> None:
+    """Read `fd` to its end into `tail`."""
+    while True:
+        try:
+            chunk = os.read(fd, _CHUNK)
+        except BlockingIOError:
+            await anyio.wait_readable(fd)
+            continue
+        except OSError:  # closed already: nothing more to read
+            return
+        if not chunk:
+            return
         tail.add(chunk)
 
 
-async def _feed(stream: asyncio.StreamWriter | None, data: bytes) -> None:
-    if stream is None:
-        return
-    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-        stream.write(data)
-        await stream.drain()
-    stream.close()
+async def _feed(stdin: list[int], data: bytes) -> None:
+    """Write `data` to the command's stdin, then close it (a command may stop reading)."""
+    fd, view = stdin[0], memoryview(data)
+    try:
+        while view:
+            try:
+                view = view[os.write(fd, view) :]
+            except BlockingIOError:
+                await anyio.wait_writable(fd)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    finally:
+        stdin[0] = -1
+        os.close(fd)
 
 
 async def _terminate(proc: asyncio.subprocess.Process, kill_after_s: float) -> None:
