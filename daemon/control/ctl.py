@@ -346,7 +346,12 @@ def cell(value: Any, column: str = "") -> str:
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return ", ".join(value)
     text = value if isinstance(value, str) else compact(value)
-    return text.replace("\n", "\\n")
+    # A command's output (history's command_run) may hold escape sequences: never raw.
+    return text.replace("\n", "\\n").translate(_CONTROLS)
+
+
+#: C0 and C1 control characters (and DEL) as escapes, for text printed into a terminal.
+_CONTROLS = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
 
 
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
