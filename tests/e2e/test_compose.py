@@ -200,6 +200,16 @@ class TestRun:
             assert run["exit_code"] == 0 and run["argv"] == argv and run["duration_ms"] > 0
             assert shown["last_run"]["stdout"] == "hello\n"
 
+    async def test_success_leaves_no_process_behind(self, tmp_path: Path) -> None:
+        """What a command leaves running in its group when it exits is ended with its step."""
+        pidfile = tmp_path / "pid"
+        script = f"sleep 60 > /dev/null 2>&1 & echo $$ > {pidfile}"
+        async with running_daemon(tmp_path, MODULES) as d, d.client() as c:
+            argv = ["sh", "-c", script]
+            await c.call("start", workflow="Command", workflow_id="r", input={"argv": argv})
+            await wait_status(c, "r", "Finished")
+            assert group_members(read_pid(pidfile)) == []
+
     async def test_failure_fails_the_step(self, tmp_path: Path) -> None:
         """An exit code not in ok_codes fails the step; its output is kept in the history."""
         async with running_daemon(tmp_path, MODULES) as d, d.client() as c:
