@@ -86,3 +86,20 @@ class ChildLinks:
         except Exception as e:  # noqa: BLE001 - user code: its failure goes to the parent
             log.warning("child_result_failed", workflow_id=row.id, error=f"{type(e).__name__}: {e}")
             return None, f"result() raised {type(e).__name__}: {e}"
+
+
+async def composition(store: Store, row: WorkflowRow) -> dict[str, Any]:
+    """Return what `show` tells of a workflow's parent, children, deadline and last command."""
+    kids = await store.list(parent=row.id, limit=1000)
+    out: dict[str, Any] = {
+        "parent": row.parent,
+        "children": [
+            {"workflow_id": k.id, "workflow": k.name, "status": k.status}
+            for k in sorted(kids, key=lambda k: k.created_at)
+        ],
+        "deadline": row.deadline,
+    }
+    runs = [h for h in await store.history(row.id, limit=100) if h.kind == "command_run"]
+    if runs:
+        out["last_run"] = {"at": runs[-1].at, **runs[-1].detail}
+    return out

@@ -25,7 +25,7 @@ from daemon.errors import BadRequest, CallbackNotFound, Conflict, Unavailable, W
 from daemon.runtime.actor import Actor
 from daemon.runtime.arming import Arms
 from daemon.runtime.cache import Cache, Loaded, Registry
-from daemon.runtime.children import ChildLinks
+from daemon.runtime.children import ChildLinks, composition
 from daemon.runtime.deadlines import Deadlines
 from daemon.runtime.janitor import Janitor
 from daemon.runtime.recovery import Recovery
@@ -392,28 +392,12 @@ class Runtime:
             next_run_at=row.next_run_at,
             created_at=row.created_at,
         )
-        out.update(await self._links(row))
+        out.update(await composition(self.store, row))
         actor = self.scheduler.actor(workflow_id)
         if actor is not None and actor.running_step is not None:
             out["running_step"] = actor.running_step.shown()
         if self.scheduler.hold.holds(workflow_id):
             out["held"] = True
-        return out
-
-    async def _links(self, row: WorkflowRow) -> dict[str, Any]:
-        """Return `show`'s parent, children, deadline and last command run."""
-        kids = await self.store.list(parent=row.id, limit=1000)
-        out: dict[str, Any] = {
-            "parent": row.parent,
-            "children": [
-                {"workflow_id": k.id, "workflow": k.name, "status": k.status}
-                for k in sorted(kids, key=lambda k: k.created_at)
-            ],
-            "deadline": row.deadline,
-        }
-        runs = [h for h in await self.store.history(row.id, limit=100) if h.kind == "command_run"]
-        if runs:
-            out["last_run"] = {"at": runs[-1].at, **runs[-1].detail}
         return out
 
     async def history(
