@@ -315,8 +315,11 @@ class Runtime:
         log.info("deadline_passed", workflow_id=workflow_id, workflow=row.name)
 
     async def cancel(self, workflow_id: str, *, error: str | None = None) -> dict[str, Any]:
-        """Cancel a workflow: tear down its waits (cancelling children per their policy) and
-        stop a running step; `error` says why (a deadline), if not the operator."""
+        """Cancel a workflow: tear down its waits and stop a running step.
+
+        Its children are cancelled too, per their policy. `error` says why (a deadline that
+        passed); an operator's cancel has none.
+        """
         self._check_open()
         try:
             loaded = await self.cache.load(workflow_id)
