@@ -140,7 +140,10 @@ async def run_command(
 
 def _code_text(code: int | None) -> str:
     if code is not None and code < 0:
-        return f"signal {signal.Signals(-code).name}"
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:  # a real-time signal has no name
+            return f"signal {-code}"
     return f"code {code}"
 
 
