@@ -12,7 +12,7 @@ import structlog
 
 from daemon.core.state import FINAL_STATUSES
 from daemon.core.workflow import Workflow
-from daemon.errors import WorkflowNotFound
+from daemon.errors import Conflict, WorkflowNotFound
 from daemon.store.base import Store, WorkflowRow
 
 log = structlog.get_logger()
@@ -38,8 +38,15 @@ class ChildLinks:
     async def start(
         self, *, parent: str, workflow: str, workflow_id: str, input: dict[str, Any] | None
     ) -> None:
-        """Start the child; one that exists (a retried or recovered setup) is left as it is."""
+        """Start the child; one that exists (a retried or recovered setup) is left as it is.
+
+        An existing workflow that is not this parent's child is refused: adopting it would let
+        the parent cancel what it never started (or its own ancestor, a cycle).
+        """
         await self._start(workflow, workflow_id, input, parent)
+        row = await self._store.get(workflow_id)
+        if row is not None and row.parent != parent:
+            raise Conflict(f"workflow {workflow_id!r} exists and is not a child of {parent!r}")
 
     async def outcome(self, workflow_id: str) -> dict[str, Any]:
         """Wait until the workflow has ended; return `{workflow_id, status, result, error}`."""

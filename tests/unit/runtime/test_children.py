@@ -14,7 +14,7 @@ from daemon.runtime.runtime import Runtime
 from daemon.runtime.settings import Settings
 from daemon.store.sqlite import SQLiteStore
 from handlers import Child, Signal, Timer
-from tests.helpers.wait import wait_runtime_status
+from tests.helpers.wait import eventually, wait_runtime_status
 
 
 @dataclass
@@ -104,3 +104,16 @@ class TestChildLinks:
             shown = await wait_runtime_status(rt, "t", "Finished")
             assert shown["data"]["outcome"]["result"] == 42
             assert len(await rt.list(parent="t")) == 1
+
+    async def test_an_existing_workflow_is_not_adopted(self, tmp_path: Path) -> None:
+        """A Child id naming a workflow the parent did not start is a setup error, shown."""
+        async with running(tmp_path / "db", FakeClock()) as rt:
+            await rt.start("Leaf", "t/kid/1")
+            await rt.start("Trunk", "t")
+
+            async def refused() -> bool:
+                return "is not a child of 't'" in ((await rt.show("t"))["error"] or "")
+
+            # Its actor sleeps until the retry of the setup (on the fake clock): no wait_idle.
+            await eventually(refused)
+            assert (await rt.show("t/kid/1"))["parent"] is None
