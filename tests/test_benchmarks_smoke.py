@@ -135,6 +135,8 @@ class TestLogBench:
             figures,
             {"info_record_loop_us", "filtered_debug_record_loop_us", "error_record_us"},
         )
+
+
 class TestMetricsBench:
     """bench_metrics at a tiny size."""
 
