@@ -1,5 +1,6 @@
 """workflowd: durable workflows written as Python code."""
 
+from daemon.core.command import Run
 from daemon.core.engine import (
     MAX_TRANSITIONS,
     Checkpoint,
@@ -83,6 +84,7 @@ __all__ = [
     "On",
     "Retry",
     "Return",
+    "Run",
     "RunawayWorkflow",
     "S",
     "Schedule",

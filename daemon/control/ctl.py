@@ -115,6 +115,14 @@ def seconds(text: str) -> float:
     return value
 
 
+def deadline_seconds(text: str) -> float:
+    """Parse `start --timeout`: seconds, more than 0."""
+    value = seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("a deadline must be more than 0 seconds")
+    return value
+
+
 def answer_timeout(args: argparse.Namespace) -> float | None:
     """Return how long to wait for the daemon's answer: --timeout, else the command's default."""
     if args.timeout is not None:
@@ -166,6 +174,8 @@ def add_global_options(parser: argparse.ArgumentParser, **defaults: Any) -> None
         "--config", default=defaults["config"], help="read [daemon] socket here (./config.toml)"
     )
     parser.add_argument("--json", action="store_true", default=defaults["json"], help="print JSON")
+    if "timeout" not in defaults:  # `start --timeout` is the workflow's deadline instead
+        return
     parser.add_argument(
         "--timeout",
         type=seconds,
@@ -190,16 +200,30 @@ def build_parser() -> argparse.ArgumentParser:
         json=argparse.SUPPRESS,
         timeout=argparse.SUPPRESS,
     )
+    no_timeout = argparse.ArgumentParser(add_help=False)
+    add_global_options(
+        no_timeout, socket=argparse.SUPPRESS, config=argparse.SUPPRESS, json=argparse.SUPPRESS
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, help: str, within: Any = None) -> argparse.ArgumentParser:
-        return (within or sub).add_parser(name, help=help, description=help, parents=[common])
+    def command(name: str, help: str, within: Any = None, **kw: Any) -> argparse.ArgumentParser:
+        parents = kw.pop("parents", [common])
+        return (within or sub).add_parser(name, help=help, description=help, parents=parents, **kw)
 
     command("ping", "check that workflowd answers; show its version and workflow counts")
-    p = command("start", "start a workflow")
+    # After `start`, --timeout is the workflow's deadline; the answer timeout goes before it.
+    p = command("start", "start a workflow", parents=[no_timeout])
     p.add_argument("workflow", metavar="NAME")
     p.add_argument("--id", dest="workflow_id", help="the workflow id (default: generated)")
     p.add_argument("--input", type=json_object, help="the input, a JSON object")
+    p.add_argument(
+        "--timeout",
+        dest="timeout_s",
+        type=deadline_seconds,
+        metavar="S",
+        help="cancel the workflow (error `deadline passed`) S seconds after it starts; "
+        "`workflowctl --timeout S start ...` bounds the wait for the answer instead",
+    )
     p = command("send", "send an event to a waiting workflow and print the handler's reply")
     p.add_argument("workflow_id", metavar="ID")
     p.add_argument("event", metavar="EVENT")
@@ -211,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--status")
     p.add_argument("--workflow", metavar="NAME")
     p.add_argument("--limit", type=int, default=100)
+    p.add_argument("--parent", metavar="ID", help="only the children this workflow started")
     for name, help in [("show", "show a workflow"), ("cancel", "cancel a workflow")]:
         command(name, help).add_argument("workflow_id", metavar="ID")
     p = command("history", "show a workflow's history")
@@ -323,7 +348,12 @@ def cell(value: Any, column: str = "") -> str:
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return ", ".join(value)
     text = value if isinstance(value, str) else compact(value)
-    return text.replace("\n", "\\n")
+    # A command's output (history's command_run) may hold escape sequences: never raw.
+    return text.replace("\n", "\\n").translate(_CONTROLS)
+
+
+#: C0 and C1 control characters (and DEL) as escapes, for text printed into a terminal.
+_CONTROLS = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
 
 
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:

@@ -20,7 +20,12 @@ class Backend(Protocol):
     """What the control socket needs from the runtime."""
 
     async def start(
-        self, workflow: str, workflow_id: str | None = None, input: dict[str, Any] | None = None
+        self,
+        workflow: str,
+        workflow_id: str | None = None,
+        input: dict[str, Any] | None = None,
+        *,
+        timeout_s: float | None = None,
     ) -> dict[str, Any]: ...
     async def send(
         self,
@@ -33,7 +38,12 @@ class Backend(Protocol):
         wait: bool = True,
     ) -> Any: ...
     async def list(
-        self, *, status: str | None = None, workflow: str | None = None, limit: int = 100
+        self,
+        *,
+        status: str | None = None,
+        workflow: str | None = None,
+        limit: int = 100,
+        parent: str | None = None,
     ) -> Records: ...
     async def show(self, workflow_id: str) -> dict[str, Any]: ...
     async def history(self, workflow_id: str, *, limit: int = 1000) -> Records: ...
@@ -124,11 +134,15 @@ class Dispatcher:
                     "incompatible": b.incompatible(),
                 }
             case proto.Start():
-                return await b.start(req.workflow, req.workflow_id, req.input)
+                return await b.start(
+                    req.workflow, req.workflow_id, req.input, timeout_s=req.timeout_s
+                )
             case proto.Send():
                 return await self._send(req)
             case proto.List():
-                return await b.list(status=req.status, workflow=req.workflow, limit=req.limit)
+                return await b.list(
+                    status=req.status, workflow=req.workflow, limit=req.limit, parent=req.parent
+                )
             case proto.Show():
                 return await b.show(req.workflow_id)
             case proto.History():

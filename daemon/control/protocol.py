@@ -63,6 +63,8 @@ class Start(Request, tag="start"):
     workflow: str
     workflow_id: str | None = None
     input: dict[str, Any] | None = None
+    # issue 19: a whole-workflow deadline in seconds, overriding the class's `timeout_s`.
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
 
 
 class Send(Request, tag="send"):
@@ -82,6 +84,8 @@ class List(Request, tag="list"):
     status: str | None = None
     workflow: str | None = None
     limit: Limit = 100
+    # issue 19: only the children of this workflow (started by its Child cases).
+    parent: str | None = None
 
 
 class Show(Request, tag="show"):

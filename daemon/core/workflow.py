@@ -142,6 +142,22 @@ class Workflow:
             setattr(self, f.name, getattr(fresh, f.name))
 
 
+def timeout_of(cls: type[Workflow]) -> float | None:
+    """Return the class's `timeout_s` (a whole-workflow deadline in seconds), or None.
+
+    A data field called `timeout_s` is data, not a deadline: only a plain class attribute
+    (`timeout_s = 3600`, no annotation) sets one.
+    """
+    value = getattr(cls, "timeout_s", None)
+    if value is None or not dataclasses.is_dataclass(cls):
+        return None
+    if "timeout_s" in {f.name for f in dataclasses.fields(cls)}:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValidationError(f"{cls.__name__}.timeout_s must be seconds > 0, not {value!r}")
+    return float(value)
+
+
 def collect(modules: Iterable[types.ModuleType]) -> dict[str, type[Workflow]]:
     """Return every Workflow subclass defined in `modules`, keyed by its name."""
     found: dict[str, type[Workflow]] = {}

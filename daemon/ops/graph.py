@@ -192,11 +192,13 @@ def render(
     state: State | None = None,
     title: str = "",
     failed_step: str = "",
+    children: dict[str, str] | None = None,
 ) -> str:
     """Return the diagram of a definition tree in `fmt` ("mermaid", "dot" or "svg").
 
     With a `state`, mark where each thread is (the position of a failed workflow is its last
     checkpoint: the step after it is usually `failed_step`) and the status of each wait.
+    `children` maps a Child case's event to the text naming its child (id and status).
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown graph format {fmt!r}; use one of {', '.join(FORMATS)}")
@@ -204,6 +206,10 @@ def render(
     b.thread(MAIN_THREAD, tree.get("children", []), [])
     if state is not None:
         _overlay(b.g, state, failed_step)
+    for event, text in (children or {}).items():
+        nid = b.g.named.get(event)
+        if nid is not None:
+            b.g.nodes[int(nid[1:])].lines.append(text)
     if fmt == "svg":
         return _svg(b.g, title)
     return _mermaid(b.g, title) if fmt == "mermaid" else _dot(b.g, title)

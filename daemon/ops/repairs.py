@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import pwd
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable, Container
 from typing import Any
 
 import msgspec
@@ -342,7 +343,43 @@ class Repairs:
                 raise BadRequest(f"{workflow} needs field values; give a workflow id: {e}") from e
         title = f"{workflow} {workflow_id}" if workflow_id else workflow
         tree = definition_to_dict(_definition(wf))
-        return render(tree, format, state=state, title=title, failed_step=(failed or [""])[-1])
+        kids = {}
+        if workflow_id and state is not None:
+            kids = await self._children_of(workflow_id, state, Definition(_definition(wf)).events)
+        return render(
+            tree, format, state=state, title=title, failed_step=(failed or [""])[-1], children=kids
+        )
+
+    async def _children_of(
+        self, workflow_id: str, state: State, events: Container[str]
+    ) -> dict[str, str]:
+        """Return, per Child case, the text naming its children: `child <id>: <status>`."""
+        rows = await self._store.list(parent=workflow_id, limit=1000)
+        status = {r.id: r.status for r in rows}
+        by_event: dict[str, dict[str, None]] = {}
+        # A default child id is `<parent>/<event>/...`: the cases that fired are found by it.
+        for r in sorted(rows, key=lambda r: r.created_at):
+            event = r.id.removeprefix(f"{workflow_id}/").partition("/")[0]
+            if r.id.startswith(f"{workflow_id}/") and event in events:
+                by_event.setdefault(event, {})[r.id] = None
+        for t in state.threads:
+            for ev in t.wait_events:
+                if ev.type == "child" and ev.req.setup_data:
+                    try:
+                        cid = str(msgspec.json.decode(ev.req.setup_data)["child"])
+                    except (msgspec.DecodeError, KeyError, TypeError):
+                        continue
+                    by_event.setdefault(ev.req.name, {})[cid] = None
+        out = {}
+        for event, ids in by_event.items():
+            if len(ids) == 1:
+                (cid,) = ids
+                out[event] = f"child {cid}: {status.get(cid, 'gone')}"
+            else:
+                counts = Counter(status.get(cid, "gone") for cid in ids)
+                summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+                out[event] = f"{len(ids)} children: {summary}"
+        return out
 
     async def lint(self, workflow: str) -> list[dict[str, Any]]:
         """Check a workflow type's definition."""

@@ -54,8 +54,8 @@ class Actor:
     on_leftover: Callable[[], None]
     #: Counts steps and callbacks for `/metrics`.
     metrics: Metrics | None = None
-    #: Called once the workflow has ended (Failed or Finished) and that is durable.
-    on_ended: Callable[[], None] | None = None
+    #: Called once an end (finished, failed, cancelled) is durable: a parent may wait for it.
+    on_ended: Callable[[str], None] = lambda workflow_id: None
     items: deque[Item] = field(default_factory=deque)
     # asyncio's event, not anyio's: actors come and go once per resume, and anyio looks its
     # backend up on every Event it makes (the daemon runs on asyncio only).
@@ -218,6 +218,8 @@ class Actor:
             inbox_done=[item.inbox_id for item in self._unsaved if item.inbox_id is not None],
         )
         self._history, self._unsaved = [], []
+        if loaded.state.status in FINAL_STATUSES:
+            self.on_ended(self.workflow_id)
 
     async def _checkpoint(self, loaded: Loaded, kind: CheckpointType) -> None:
         # Resume transitions are a pure function of data and state, so only what follows a
@@ -231,9 +233,12 @@ class Actor:
         async def checkpoint(kind: CheckpointType) -> None:
             await self._checkpoint(loaded, kind)
 
+        async def step(s: Step) -> None:
+            await self._run_step(s, loaded.wf)
+
         with anyio.CancelScope() as self._scope:
             try:
-                await resume(loaded.wf, loaded.state, checkpoint, run_step=self._run_step)
+                await resume(loaded.wf, loaded.state, checkpoint, run_step=step)
             except StepFailed as e:
                 await self._step_failed(loaded, e)
                 return
@@ -246,8 +251,6 @@ class Actor:
         await self._settle(loaded)
         if loaded.state.status is WorkflowStatus.FINISHED:
             log.info("workflow_finished")
-            if self.on_ended is not None:
-                self.on_ended()
             if loaded.state.threads:  # a wait whose teardown failed: retried by the janitor
                 self.on_leftover()
 
@@ -285,11 +288,11 @@ class Actor:
                     return
         # The wait was handled, torn down or set up again meanwhile: nothing to record.
 
-    async def _run_step(self, step: Step) -> None:
+    async def _run_step(self, step: Step, data: Workflow) -> None:
         self.running_step = run = StepRun(step.name)
         outcome = "cancelled"
         try:
-            await run_step(step, limiter=self.limiter, note=self._note, run=run)
+            await run_step(step, limiter=self.limiter, note=self._note, run=run, data=data)
             outcome = "done"
         except Exception:
             outcome = "failed"
@@ -329,8 +332,10 @@ class Actor:
             error=fresh.error,
             attempt=attempt,
             next_run_at=fresh.next_run_at,
-            history=[("step_failed", {**detail, "retry_in_s": delay})],
+            # What the failed attempt noted (a command's output) is kept with its failure.
+            history=[*self._history, ("step_failed", {**detail, "retry_in_s": delay})],
         )
+        self._history = []
 
     def _backoff(self, attempt: int, policy: Retry | None) -> float:
         if policy is None:
@@ -358,20 +363,21 @@ class Actor:
     async def _fail(self, loaded: Loaded, error: str) -> None:
         await self._end(loaded, WorkflowStatus.FAILED, error)
         log.error("workflow_failed", error=error)
-        if self.on_ended is not None:
-            self.on_ended()
 
     async def _cancel(self, loaded: Loaded) -> None:
         self._cancelling = False
         cancels = [i for i in self.items if i.kind == "cancel"]
         for item in cancels:
             self.items.remove(item)
+        # A cancel may say why (a deadline that passed) and who asked (the dashboard).
+        asked = [i.input for i in cancels if isinstance(i.input, dict)]
+        why = next((str(a["error"]) for a in asked if a.get("error") is not None), None)
+        by = next((a["by"] for a in asked if a.get("by") is not None), None)
         try:
             if loaded.state.status not in FINAL_STATUSES:
                 loaded = await self._reload()
-                by = next((i.input for i in cancels if i.input is not None), None)
-                await self._end(loaded, WorkflowStatus.CANCELLED, None, by)
-                log.info("workflow_cancelled")
+                await self._end(loaded, WorkflowStatus.CANCELLED, why, by)
+                log.info("workflow_cancelled", **({"error": why} if why else {}))
         except Exception as e:
             for item in cancels:  # they may ask again once the store works
                 if item.reply is not None:

@@ -7,6 +7,7 @@ reload, a restart or a repair makes it fit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -27,8 +28,18 @@ log = structlog.get_logger()
 class Recovery:
     """Brings stored workflows into motion, or holds those that cannot run under this code."""
 
-    def __init__(self, *, store: Store, cache: Cache, scheduler: Scheduler, arms: Arms) -> None:
+    def __init__(
+        self,
+        *,
+        store: Store,
+        cache: Cache,
+        scheduler: Scheduler,
+        arms: Arms,
+        deadline: Callable[[str, float], None] = lambda workflow_id, at: None,
+    ) -> None:
         self._store, self._cache, self._scheduler, self._arms = store, cache, scheduler, arms
+        #: Arms a workflow's deadline (`timeout_s`), which holds even while it is held.
+        self._deadline = deadline
 
     async def recover(self) -> None:
         """Pick up every unfinished workflow: resume runnable ones, re-arm waiting ones.
@@ -73,6 +84,8 @@ class Recovery:
         the code) or "broken" (its row does not decode, or its waits cannot be armed).
         """
         hold = self._scheduler.hold
+        if row.deadline is not None:
+            self._deadline(row.id, row.deadline)
         try:
             loaded = self._cache.decode(row)
         except WorkflowdError as e:

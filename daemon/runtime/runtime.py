@@ -16,14 +16,18 @@ import msgspec
 import structlog
 
 from daemon.clock import Clock, get_clock, use_clock
+from daemon.core.children import use_children
 from daemon.core.handler import CallbackRequest
 from daemon.core.lint import Finding, lint_workflow
 from daemon.core.state import FINAL_STATUSES, EventStatus, State, WorkflowStatus
-from daemon.errors import CallbackNotFound, Conflict, Unavailable, WorkflowNotFound
+from daemon.core.workflow import timeout_of
+from daemon.errors import BadRequest, CallbackNotFound, Conflict, Unavailable, WorkflowNotFound
 from daemon.observe.metrics import Metrics
 from daemon.runtime.actor import Actor
 from daemon.runtime.arming import Arms
 from daemon.runtime.cache import Cache, Loaded, Registry
+from daemon.runtime.children import ChildLinks, composition
+from daemon.runtime.deadlines import Deadlines
 from daemon.runtime.janitor import Janitor
 from daemon.runtime.recovery import Recovery
 from daemon.runtime.scheduler import Hold, Scheduler
@@ -80,7 +84,7 @@ class Runtime:
     ) -> None:
         self.store, self.settings, self.clock, self.logs = store, settings, clock, logs
         self.metrics = metrics
-        #: Called when a workflow has ended (Failed or Finished) durably; `main` wakes hooks.
+        #: Called when a workflow has ended durably; `main` wakes the hooks.
         self.on_ended: Callable[[], None] | None = None
         self.limiter = anyio.CapacityLimiter(settings.max_concurrent_steps)
         self.cache = Cache(store, registry, settings.cache_size, pinned=self._running)
@@ -88,8 +92,19 @@ class Runtime:
             tg, cache=self.cache, hold=Hold(settings.hold), new_actor=self._new_actor
         )
         self.arms = Arms(tg, clock, self._submit_callback, self._listen_failed, metrics)
+        self.deadlines = Deadlines(tg, clock, self._expire)
+        self.children = ChildLinks(
+            store=store,
+            start=self._start_child,
+            cancel=self.cancel,
+            type_of=lambda name: self.cache.registry.get(name),
+        )
         self.recovery = Recovery(
-            store=store, cache=self.cache, scheduler=self.scheduler, arms=self.arms
+            store=store,
+            cache=self.cache,
+            scheduler=self.scheduler,
+            arms=self.arms,
+            deadline=self.deadlines.add,
         )
         hold = self.scheduler.hold
         self.janitor = Janitor(
@@ -115,7 +130,8 @@ class Runtime:
             on_ended=self._ended,
         )
 
-    def _ended(self) -> None:
+    def _ended(self, workflow_id: str) -> None:
+        self.children.ended(workflow_id)
         if self.on_ended is not None:
             self.on_ended()
 
@@ -136,7 +152,9 @@ class Runtime:
         use_clock(clock)  # handlers read it through get_clock() in every task started from here
         async with anyio.create_task_group() as tg:
             rt = cls(store, registry, settings or Settings(), tg, clock, logs, metrics)
+            use_children(rt.children)  # Child handlers find it as they find the clock
             tg.start_soon(rt.arms.run_timers)
+            tg.start_soon(rt.deadlines.run)
             try:
                 await rt.recover()
                 tg.start_soon(rt.janitor.run)
@@ -211,11 +229,14 @@ class Runtime:
         input: dict[str, Any] | None = None,
         *,
         create: Create | None = None,
+        parent: str | None = None,
+        timeout_s: float | None = None,
     ) -> dict[str, Any]:
         """Create a workflow and schedule it; starting an existing id returns it unchanged.
 
         `create` writes the new row instead of `store.create` (a schedule commits its own
-        bookkeeping in the same transaction); it returns False if the id exists.
+        bookkeeping in the same transaction); it returns False if the id exists. `parent` is
+        the workflow whose Child case starts it; `timeout_s` overrides the class's deadline.
         """
         self._check_open()
         cls = self.cache.workflow_type(workflow)
@@ -223,6 +244,10 @@ class Runtime:
         wf = cls.from_input(input)
         state = State.new(wid, workflow)
         now = time.time()
+        if timeout_s is not None and not (0 < timeout_s < float("inf")):
+            raise BadRequest(f"timeout_s must be seconds > 0, not {timeout_s!r}")
+        timeout = timeout_s if timeout_s is not None else timeout_of(cls)
+        deadline = None if timeout is None else self.clock.now() + timeout
         row = WorkflowRow(
             wid,
             workflow,
@@ -231,8 +256,15 @@ class Runtime:
             state.to_json(),
             created_at=now,
             updated_at=now,
+            parent=parent,
+            deadline=deadline,
         )
-        if not await (create or self.store.create)(row, [("started", {"input": input or {}})]):
+        started: dict[str, Any] = {"input": input or {}}
+        if parent is not None:
+            started["parent"] = parent
+        if deadline is not None:
+            started["deadline"] = deadline
+        if not await (create or self.store.create)(row, [("started", started)]):
             existing = await self.store.get(wid)
             if existing is None:  # deleted in between; vanishingly rare
                 raise Conflict(f"workflow {wid!r} changed while starting; try again")
@@ -241,7 +273,9 @@ class Runtime:
                     f"workflow {wid!r} exists and is a {existing.name}, not a {workflow}"
                 )
             return {"workflow_id": wid, "status": existing.status, "created": False}
-        log.info("workflow_started", workflow_id=wid, workflow=workflow)
+        log.info("workflow_started", workflow_id=wid, workflow=workflow, parent=parent)
+        if deadline is not None:
+            self.deadlines.add(wid, deadline)
         self.cache.remember(Loaded(wf, state))
         self.scheduler.submit(wid, Item("resume"))
         return {"workflow_id": wid, "status": state.status.value, "created": True}
@@ -279,10 +313,26 @@ class Runtime:
         )
         return {"queued": True}
 
-    async def cancel(self, workflow_id: str, *, by: str | None = None) -> dict[str, Any]:
+    async def _start_child(
+        self, workflow: str, workflow_id: str, input: dict[str, Any] | None, parent: str
+    ) -> None:
+        await self.start(workflow, workflow_id, input, parent=parent)
+
+    async def _expire(self, workflow_id: str, error: str) -> None:
+        """Cancel a workflow whose deadline passed (with that error), if it still runs."""
+        row = await self.store.get(workflow_id)
+        if row is None or row.status in FINAL_STATUSES:
+            return
+        await self.cancel(workflow_id, error=error)
+        log.info("deadline_passed", workflow_id=workflow_id, workflow=row.name)
+
+    async def cancel(
+        self, workflow_id: str, *, by: str | None = None, error: str | None = None
+    ) -> dict[str, Any]:
         """Cancel a workflow: tear down its waits and stop a running step.
 
-        `by` names who asked ("dashboard"), for the history record.
+        Its children are cancelled too, per their policy. `by` names who asked ("dashboard"),
+        for the history record; `error` says why (a deadline that passed).
         """
         self._check_open()
         try:
@@ -292,8 +342,9 @@ class Runtime:
         if loaded.state.status in FINAL_STATUSES:
             return {"workflow_id": workflow_id, "status": loaded.state.status.value}
         reply = Reply()
-        # Queueing it interrupts its actor.
-        self.scheduler.submit(workflow_id, Item("cancel", input=by, reply=reply))
+        # Queueing it interrupts the workflow's actor.
+        cancel = Item("cancel", input={"by": by, "error": error}, reply=reply)
+        self.scheduler.submit(workflow_id, cancel)
         await reply.wait()
         if self.scheduler.hold.incompatible.pop(workflow_id, None) is not None:
             await self._drop_parked(workflow_id)
@@ -317,6 +368,7 @@ class Runtime:
         self.scheduler.hold.incompatible.pop(workflow_id, None)
         self.cache.forget(workflow_id)
         await self._drop_parked(workflow_id)
+        self.children.ended(workflow_id)
         return {"workflow_id": workflow_id, "status": WorkflowStatus.CANCELLED.value}
 
     async def _drop_parked(self, workflow_id: str) -> None:
@@ -333,10 +385,15 @@ class Runtime:
             await self.store.inbox_done(inbox)
 
     async def list(
-        self, *, status: str | None = None, workflow: str | None = None, limit: int = 100
+        self,
+        *,
+        status: str | None = None,
+        workflow: str | None = None,
+        limit: int = 100,
+        parent: str | None = None,
     ) -> list[dict[str, Any]]:
-        """Summarize workflows, newest first."""
-        rows = await self.store.list(status=status, name=workflow, limit=limit)
+        """Summarize workflows, newest first; `parent` keeps the children of one workflow."""
+        rows = await self.store.list(status=status, name=workflow, limit=limit, parent=parent)
         return [self._summary(row) for row in rows]
 
     async def show(self, workflow_id: str) -> dict[str, Any]:
@@ -353,6 +410,7 @@ class Runtime:
             next_run_at=row.next_run_at,
             created_at=row.created_at,
         )
+        out.update(await composition(self.store, row))
         actor = self.scheduler.actor(workflow_id)
         if actor is not None and actor.running_step is not None:
             out["running_step"] = actor.running_step.shown()
@@ -423,6 +481,7 @@ class Runtime:
             "waiting_for": waiting,
             "error": row.error,
             "incompatible": self.scheduler.hold.incompatible.get(row.id),
+            "parent": row.parent,
         }
 
 

@@ -73,7 +73,10 @@ class Scheduler:
         actor = self._actors.get(workflow_id)
         if actor is None:
             actor = self._actors[workflow_id] = self._new_actor(workflow_id)
-            self._idle = anyio.Event()
+            if self._idle.is_set():
+                # Only a set event is replaced: one still awaited must be the one set later
+                # (an actor starting another's actor, as a Child's setup does).
+                self._idle = anyio.Event()
             self._tg.start_soon(self._run, actor)
         actor.items.append(item)
         actor.notify()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import threading
 import time
@@ -14,7 +15,9 @@ from typing import Any, TypeGuard
 import anyio
 import structlog
 
-from daemon.core.statements import Step
+from daemon.core.command import Run
+from daemon.core.statements import NonRetryableError, Step
+from daemon.runtime.commands import run_command
 from daemon.runtime.workers import Workers
 
 log = structlog.get_logger()
@@ -112,16 +115,23 @@ async def run_step(
     run: StepRun | None = None,
     abandoned: Abandoned = ABANDONED,
     workers: Workers = WORKERS,
+    data: object | None = None,
 ) -> None:
     """Run a step's action to its end; raise what it raises, TimeoutError past its timeout.
 
     A sync action waits for a slot of `limiter`; its timeout counts from when it has one, and
     past it the slot is freed and the thread abandoned (see _run_sync). `run` is kept up to
-    date for `show`. An `inline` sync action runs right here, on the loop, with no slot.
+    date for `show`. An `inline` sync action runs right here, on the loop, with no slot. A Run
+    step's command result goes into `data`'s field `into`, if named.
     """
     run = run or StepRun(step.name)
     started = time.perf_counter()
-    if _is_async(step.action):
+    if isinstance(step, Run):
+        run.running_since = time.time()
+        done = await run_command(step, note=note)
+        if step.into is not None and data is not None:
+            _store_into(data, step.into, done)
+    elif _is_async(step.action):
         run.running_since = time.time()
         with _deadline(step.timeout):
             await step.action()
@@ -137,6 +147,14 @@ async def run_step(
     ms = round((time.perf_counter() - started) * 1000, 3)
     log.info("step_done", step=step.name, duration_ms=ms)
     note("step_done", {"step": step.name, "duration_ms": ms})
+
+
+def _store_into(data: object, field: str, value: dict[str, Any]) -> None:
+    """Set a Run step's result on the data field `field`; a field that is not there fails it."""
+    names = {f.name for f in dataclasses.fields(data)} if dataclasses.is_dataclass(data) else ()
+    if field not in names:
+        raise NonRetryableError(f"Run(into={field!r}): {type(data).__name__} has no such field")
+    setattr(data, field, value)
 
 
 def _deadline(timeout: float | None) -> contextlib.AbstractContextManager[Any]:

@@ -30,6 +30,10 @@ class WorkflowRow:
     next_run_at: float | None = None
     created_at: float = 0.0
     updated_at: float = 0.0
+    #: The workflow whose Child case started this one.
+    parent: str | None = None
+    #: When (epoch seconds) it is cancelled with error `deadline passed` (its `timeout_s`).
+    deadline: float | None = None
 
 
 @dataclass(slots=True)
@@ -145,9 +149,14 @@ class Store(Protocol):
         ...
 
     async def list(
-        self, *, status: str | None = None, name: str | None = None, limit: int = 100
+        self,
+        *,
+        status: str | None = None,
+        name: str | None = None,
+        limit: int = 100,
+        parent: str | None = None,
     ) -> builtins.list[WorkflowRow]:
-        """Return workflows, most recently changed first."""
+        """Return workflows, most recently changed first; `parent` keeps one workflow's children."""
         ...
 
     def unfinished(self, *, page: int = 1000) -> AsyncIterator[WorkflowRow]:

@@ -24,7 +24,10 @@ log = structlog.get_logger(__name__)
 
 FINAL = tuple(sorted(s.value for s in FINAL_STATUSES))
 SYNCHRONOUS = {"normal": "NORMAL", "full": "FULL"}
-COLS = "id, name, status, data, state, error, attempt, next_run_at, created_at, updated_at"
+COLS = (
+    "id, name, status, data, state, error, attempt, next_run_at, created_at, updated_at,"
+    " parent, deadline"
+)
 FINAL_ROWS = "status IN (?, ?, ?) AND updated_at < ?"
 #: Workflow data is the daemon's alone: a state folder it creates, and every file of the
 #: database (and its backups), get these modes whatever the umask.
@@ -84,10 +87,16 @@ MIGRATIONS: list[str] = [
         VALUES (NEW.id, NEW.name, NEW.status, NEW.error, NEW.updated_at);
     END;
     """,
+    # Child workflows and deadlines (issue 19): who started a workflow, and when it is cancelled.
+    """
+    ALTER TABLE workflows ADD COLUMN parent TEXT;  -- the workflow whose Child case started it
+    ALTER TABLE workflows ADD COLUMN deadline REAL;  -- epoch seconds: cancelled past it (timeout_s)
+    CREATE INDEX workflows_parent ON workflows (parent) WHERE parent IS NOT NULL;
+    """,
 ]
 
 INSERT_WORKFLOW = (
-    f"INSERT INTO workflows ({COLS}, history_seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    f"INSERT INTO workflows ({COLS}, history_seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
     " ON CONFLICT (id) DO NOTHING"
 )
 CHECKPOINT = (

@@ -141,7 +141,8 @@ class SQLiteStore:
         entries = [(now, kind, schema.to_json(detail)) for kind, detail in history]
         params = (
             row.id, row.name, row.status, row.data, row.state, row.error, row.attempt,
-            row.next_run_at, row.created_at or now, row.updated_at or now, len(entries),
+            row.next_run_at, row.created_at or now, row.updated_at or now, row.parent,
+            row.deadline, len(entries),
         )  # fmt: skip
 
         def apply(conn: sqlite3.Connection) -> bool:
@@ -242,13 +243,17 @@ class SQLiteStore:
         return WorkflowRow(*rows[0]) if rows else None
 
     async def list(
-        self, *, status: str | None = None, name: str | None = None, limit: int = 100
+        self,
+        *,
+        status: str | None = None,
+        name: str | None = None,
+        limit: int = 100,
+        parent: str | None = None,
     ) -> builtins.list[WorkflowRow]:
         """Return up to `limit` workflows, most recently updated first."""
-        where = " AND ".join(
-            c for c, v in (("status = ?", status), ("name = ?", name)) if v is not None
-        )
-        params = [v for v in (status, name) if v is not None]
+        filters = (("status = ?", status), ("name = ?", name), ("parent = ?", parent))
+        where = " AND ".join(c for c, v in filters if v is not None)
+        params = [v for _, v in filters if v is not None]
         sql = f"SELECT {schema.COLS} FROM workflows {'WHERE ' + where if where else ''}"
         rows = await self._read(f"{sql} ORDER BY updated_at DESC LIMIT ?", [*params, limit])
         return [WorkflowRow(*r) for r in rows]
@@ -386,7 +391,8 @@ class SQLiteStore:
         entries = [(now, kind, schema.to_json(detail)) for kind, detail in history]
         params = (
             row.id, row.name, row.status, row.data, row.state, row.error, row.attempt,
-            row.next_run_at, row.created_at or now, row.updated_at or now, len(entries),
+            row.next_run_at, row.created_at or now, row.updated_at or now, row.parent,
+            row.deadline, len(entries),
         )  # fmt: skip
         sets: dict[str, Any] = {"last_workflow_id": row.id, "last_fire_at": now}
         if last_nominal is not None:

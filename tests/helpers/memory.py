@@ -73,7 +73,12 @@ class MemoryBackend:
         history.append({"seq": len(history) + 1, "kind": kind, "detail": detail})
 
     async def start(
-        self, workflow: str, workflow_id: str | None = None, input: dict[str, Any] | None = None
+        self,
+        workflow: str,
+        workflow_id: str | None = None,
+        input: dict[str, Any] | None = None,
+        *,
+        timeout_s: float | None = None,
     ) -> dict[str, Any]:
         """Create a workflow waiting for its type's events."""
         if workflow not in self.types:
@@ -127,7 +132,12 @@ class MemoryBackend:
         return {"handled": event, "input": input}
 
     async def list(
-        self, *, status: str | None = None, workflow: str | None = None, limit: int = 100
+        self,
+        *,
+        status: str | None = None,
+        workflow: str | None = None,
+        limit: int = 100,
+        parent: str | None = None,
     ) -> Records:
         """List workflows newest first."""
         keys = ("workflow_id", "workflow", "status", "updated_at", "waiting_for")

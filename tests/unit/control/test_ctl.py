@@ -278,11 +278,23 @@ class TestBuildRequest:
             (["history", "i", "--limit", "7"], History(id=1, workflow_id="i", limit=7)),
             (["cancel", "i"], Cancel(id=1, workflow_id="i")),
             (["logs", "-f", "--workflow", "i"], Logs(id=1, follow=True, workflow_id="i")),
+            (
+                ["--timeout", "9", "start", "W", "--timeout", "60"],
+                Start(id=1, workflow="W", timeout_s=60.0),
+            ),
+            (["list", "--parent", "p"], List(id=1, parent="p")),
         ],
     )
     def test_every_option_reaches_the_request(self, argv: list[str], expected: Any) -> None:
         """Each command's options land in the matching request fields."""
         assert build_request(build_parser().parse_args(argv)) == expected
+
+    def test_start_timeout_is_the_deadline(self) -> None:
+        """After `start`, --timeout is the deadline; before it, the wait for the answer."""
+        args = build_parser().parse_args(["--timeout", "9", "start", "W", "--timeout", "60"])
+        assert (args.timeout, args.timeout_s) == (9.0, 60.0)
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["start", "W", "--timeout", "0"])
 
 
 class TestFormatting:
@@ -294,6 +306,10 @@ class TestFormatting:
         assert cell("two\nlines") == "two\\nlines"
         assert cell(0.5, "updated_at") == datetime.fromtimestamp(0.5).strftime("%Y-%m-%d %H:%M:%S")
         assert cell("2024-01-01", "at") == "2024-01-01"
+
+    def test_control_characters_are_escaped(self) -> None:
+        """A command's output with escape sequences never reaches the terminal raw."""
+        assert cell("\x1b[31mred\x07\x9b") == "\\x1b[31mred\\x07\\x9b"
 
     def test_plain_text_reply(self) -> None:
         """A handler reply that is a string prints as is; anything else as indented JSON."""

@@ -502,3 +502,36 @@ class TestReads:
                 assert await store.history("a") == []
                 assert [i.workflow_id for i in await store.inbox_pending()] == ["c"]
         assert raw(db, "SELECT DISTINCT workflow_id FROM history ORDER BY 1") == [("c",), ("d",)]
+
+
+class TestParentsAndDeadlines:
+    async def test_parent_and_deadline_are_stored_and_listed(self, tmp_path: Path) -> None:
+        """A child's parent and a deadline survive a reopen; list keeps one parent's children."""
+        db = tmp_path / "wf.db"
+        async with SQLiteStore.open(db) as store:
+            await store.create(row("p"))
+            kid = row("p/kid/1")
+            kid.parent, kid.deadline = "p", 1234.5
+            await store.create(kid)
+        async with SQLiteStore.open(db) as store:
+            got = await store.get("p/kid/1")
+            assert got is not None and (got.parent, got.deadline) == ("p", 1234.5)
+            assert [r.id for r in await store.list(parent="p")] == ["p/kid/1"]
+            assert await store.list(parent="p/kid/1") == []
+
+    async def test_a_database_from_before_gets_the_columns(self, tmp_path: Path) -> None:
+        """A database at the previous schema version is migrated; its rows have no parent."""
+        db = tmp_path / "wf.db"
+        conn = sqlite3.connect(db)
+        for step in MIGRATIONS[:2]:
+            conn.executescript(step)
+        conn.execute(
+            "INSERT INTO workflows (id, name, status, data, state, created_at, updated_at)"
+            " VALUES ('old', 'Demo', 'Waiting', '{}', '{}', 1, 1)"
+        )
+        conn.execute("PRAGMA user_version = 2")
+        conn.commit()
+        conn.close()
+        async with SQLiteStore.open(db) as store:
+            got = await store.get("old")
+            assert got is not None and (got.parent, got.deadline) == (None, None)
