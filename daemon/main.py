@@ -119,7 +119,7 @@ async def run_daemon(
                 held=lambda: rt.scheduler.hold.held,
                 schedules=schedules,
             )
-            rt.scheduler.on_exit = timetable.workflow_exited
+            rt.on_exit = timetable.workflow_exited
             reloader.on_schedules = timetable.configure
             firing = anyio.CancelScope()
 

@@ -14,6 +14,7 @@ from daemon.errors import Unavailable
 #: Writes one extra response line (a streamed log record) before the final answer.
 Reply = Callable[[dict[str, Any]], Awaitable[None]]
 Records = list[dict[str, Any]]  # `list` is shadowed inside Backend
+Ids = list[str]
 
 
 class Backend(Protocol):
@@ -44,6 +45,10 @@ class Backend(Protocol):
     def subscribe_logs(
         self, workflow_id: str | None = None, *, follow: bool = True
     ) -> AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]: ...
+    async def wait(
+        self, workflow_ids: Ids, *, any: bool = False, timeout_s: float | None = None
+    ) -> dict[str, Any]: ...
+    def types(self) -> Records: ...
 
 
 class RepairTools(Protocol):
@@ -149,6 +154,10 @@ class Dispatcher:
                 | proto.ScheduleResume() | proto.ScheduleTrigger()
             ):  # fmt: skip
                 return await self._schedule(req)
+            case proto.Wait():
+                return await b.wait(req.workflow_ids, any=req.any, timeout_s=req.timeout_s)
+            case proto.Types():
+                return b.types()
             case _:
                 assert_never(req)
 

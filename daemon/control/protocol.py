@@ -205,11 +205,27 @@ class ScheduleTrigger(Request, tag="schedule_trigger"):
     name: str
 
 
+# -- waiting for workflows to end, and the registered types (issue 17) -------------------------
+
+
+class Wait(Request, tag="wait"):
+    """Answer once the workflows end (all, or the first with `any`), or after `timeout_s`."""
+
+    workflow_ids: Annotated[list[str], msgspec.Meta(min_length=1, max_length=1000)]
+    any: bool = False
+    timeout_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
+
+
+class Types(Request, tag="types"):
+    """List the registered workflow types with their input fields and defaults."""
+
+
 ScheduleRequest = Schedules | ScheduleShow | SchedulePause | ScheduleResume | ScheduleTrigger
 AnyRequest = (
     Ping | Start | Send | List | Show | History | Cancel | Logs | Reload | Backup
     | Graph | Lint | Goto | Edit | Undo | Retry | Resume | ResumeAll | Gc
     | Schedules | ScheduleShow | SchedulePause | ScheduleResume | ScheduleTrigger
+    | Wait | Types
 )  # fmt: skip
 #: Each op's request type.
 REQUESTS: dict[str, type[AnyRequest]] = {t.__struct_config__.tag: t for t in AnyRequest.__args__}

@@ -23,6 +23,7 @@ from daemon.errors import CallbackNotFound, Conflict, Unavailable, WorkflowNotFo
 from daemon.runtime.actor import Actor
 from daemon.runtime.arming import Arms
 from daemon.runtime.cache import Cache, Loaded, Registry
+from daemon.runtime.endings import Endings, describe_types
 from daemon.runtime.janitor import Janitor
 from daemon.runtime.recovery import Recovery
 from daemon.runtime.scheduler import Hold, Scheduler
@@ -86,6 +87,14 @@ class Runtime:
         self.recovery = Recovery(
             store=store, cache=self.cache, scheduler=self.scheduler, arms=self.arms
         )
+        self.endings = Endings(
+            store=store,
+            running=self._running,
+            workflow_type=lambda name: self.cache.registry.get(name),
+        )
+        #: Told each workflow whose actor exited, with its status then (schedules wait on it).
+        self.on_exit: Callable[[str, str | None], None] | None = None
+        self.scheduler.on_exit = self._exited
         hold = self.scheduler.hold
         self.janitor = Janitor(
             store=store,
@@ -95,6 +104,11 @@ class Runtime:
 
     def _running(self, workflow_id: str) -> bool:
         return self.scheduler.running(workflow_id)
+
+    def _exited(self, workflow_id: str, status: str | None) -> None:
+        self.endings.exited(workflow_id)
+        if self.on_exit is not None:
+            self.on_exit(workflow_id, status)
 
     def _new_actor(self, workflow_id: str) -> Actor:
         return Actor(
@@ -149,6 +163,7 @@ class Runtime:
 
     async def drain(self, grace_s: float) -> bool:
         """Stop taking work and wait up to `grace_s` for running steps; True if all finished."""
+        self.endings.stop()  # a `wait` gets `unavailable` now, not a hang-up later
         return await self.scheduler.drain(grace_s)
 
     async def _submit_callback(self, req: CallbackRequest, input: Any, wait: bool) -> Any:
@@ -275,7 +290,7 @@ class Runtime:
         except Conflict as e:  # its row does not decode: no actor can load it
             return await self._cancel_undecodable(workflow_id, str(e))
         if loaded.state.status in FINAL_STATUSES:
-            return {"workflow_id": workflow_id, "status": loaded.state.status.value}
+            raise Conflict(f"workflow {workflow_id} has already ended: {loaded.state.status}")
         reply = Reply()
         self.scheduler.submit(workflow_id, Item("cancel", reply=reply))  # interrupts its actor
         await reply.wait()
@@ -289,7 +304,7 @@ class Runtime:
         if row is None:
             raise WorkflowNotFound(f"no workflow {workflow_id!r}")
         if row.status in FINAL_STATUSES:
-            return {"workflow_id": workflow_id, "status": row.status}
+            raise Conflict(f"workflow {workflow_id} has already ended: {row.status}")
         note = f"cancelled without tearing down its waits: {problem}"
         await self.store.set_status(
             workflow_id,
@@ -300,6 +315,7 @@ class Runtime:
         log.warning("workflow_cancelled", workflow_id=workflow_id, workflow=row.name, note=note)
         self.scheduler.hold.incompatible.pop(workflow_id, None)
         self.cache.forget(workflow_id)
+        self.endings.exited(workflow_id)
         await self._drop_parked(workflow_id)
         return {"workflow_id": workflow_id, "status": WorkflowStatus.CANCELLED.value}
 
@@ -352,6 +368,21 @@ class Runtime:
             raise WorkflowNotFound(f"no workflow {workflow_id!r}")
         rows = await self.store.history(workflow_id, limit=limit)
         return [{"at": r.at, "kind": r.kind, **r.detail} for r in rows]
+
+    async def wait(
+        self,
+        workflow_ids: builtins.list[str],
+        *,
+        any: bool = False,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        """Answer once the workflows end (all, or one with `any`), or after `timeout_s`."""
+        self._check_open()
+        return await self.endings.wait(workflow_ids, any=any, timeout_s=timeout_s)
+
+    def types(self) -> builtins.list[dict[str, Any]]:
+        """Describe the registered workflow types and their input fields."""
+        return describe_types(self.cache.registry)
 
     async def status_of(self, workflow_id: str) -> str | None:
         """Return a workflow's status (from memory when loaded), or None if there is none."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ class MemoryBackend:
 
     def __init__(self, events: tuple[str, ...] = ("approve", "reject", "crash", "odd")) -> None:
         #: Workflow type -> the events a new workflow of that type waits for.
-        self.types = {"approval": events}
+        self.kinds = {"approval": events}
         self.workflows: dict[str, Record] = {}
         self.histories: dict[str, list[Record]] = {}
         self.records: list[Record] = []
@@ -76,7 +76,7 @@ class MemoryBackend:
         self, workflow: str, workflow_id: str | None = None, input: dict[str, Any] | None = None
     ) -> dict[str, Any]:
         """Create a workflow waiting for its type's events."""
-        if workflow not in self.types:
+        if workflow not in self.kinds:
             raise UnknownWorkflowType(f"no workflow type {workflow!r}")
         self.started += 1
         wid = workflow_id or f"{workflow}-{self.started}"
@@ -87,7 +87,7 @@ class MemoryBackend:
             "workflow": workflow,
             "status": "waiting",
             "updated_at": f"2024-01-01T00:{self.started // 60:02d}:{self.started % 60:02d}Z",
-            "waiting_for": list(self.types[workflow]),
+            "waiting_for": list(self.kinds[workflow]),
             "pc": 1,
             "data": dict(input or {}),
         }
@@ -167,6 +167,19 @@ class MemoryBackend:
     def incompatible(self) -> int:
         """Count the workflows held for not fitting the code: none, in memory."""
         return 0
+
+    async def wait(
+        self, workflow_ids: Sequence[str], *, any: bool = False, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """Report where the workflows stand at once (nothing moves in memory on its own)."""
+        rows = [self._get(wid) for wid in workflow_ids]
+        out = [{**r, "ended": r["status"] != "waiting", "result": r.get("data")} for r in rows]
+        ended = [r for r in out if r["ended"]]
+        return {"workflows": out, "timed_out": not (ended if any else len(ended) == len(out))}
+
+    def types(self) -> Records:
+        """Describe the one workflow type."""
+        return [{"workflow": name, "doc": "", "fields": []} for name in self.kinds]
 
     @asynccontextmanager
     async def subscribe_logs(
