@@ -16,6 +16,7 @@ import msgspec
 import structlog
 
 from daemon.clock import Clock, get_clock, use_clock
+from daemon.core.definition import Definition
 from daemon.core.handler import CallbackRequest
 from daemon.core.lint import Finding, lint_workflow
 from daemon.core.state import FINAL_STATUSES, EventStatus, State, WorkflowStatus
@@ -241,7 +242,7 @@ class Runtime:
                 raise Conflict(f"workflow {wid!r} changed while starting; try again")
             if existing.name != workflow:
                 raise Conflict(
-                    f"workflow {wid!r} exists and is a {existing.name}, not a {workflow}"
+                    f"workflow {wid!r} exists and is {_a(existing.name)}, not {_a(workflow)}"
                 )
             return {"workflow_id": wid, "status": existing.status, "created": False}
         log.info("workflow_started", workflow_id=wid, workflow=workflow)
@@ -358,7 +359,25 @@ class Runtime:
             out["running_step"] = actor.running_step.shown()
         if self.scheduler.hold.holds(workflow_id):
             out["held"] = True
+        if row.attempt and row.next_run_at is not None:
+            out["retry"] = await self._retry_of(row)
         return out
+
+    async def _retry_of(self, row: WorkflowRow) -> dict[str, Any]:
+        """Say which step is retried and how many attempts it may make (0: no limit)."""
+        failed = [r for r in await self.store.history(row.id, limit=20) if r.kind == "step_failed"]
+        step = failed[-1].detail.get("step") if failed else None
+        limit = self.settings.retry_max_attempts
+        cls = self.cache.registry.get(row.name)
+        if isinstance(step, str) and cls is not None:
+            try:
+                found = Definition(cls.from_json(row.data).definition()).steps.get(step)
+            except Exception:  # noqa: BLE001 - workflow code: the limit is then the default
+                found = None
+            retry = found.retry if found is not None else None
+            if retry is not None and retry.max_attempts is not None:
+                limit = retry.max_attempts
+        return {"step": step, "attempt": row.attempt, "max_attempts": limit}
 
     async def history(
         self, workflow_id: str, *, limit: int = 1000
@@ -439,6 +458,11 @@ class Runtime:
             "error": row.error,
             "incompatible": self.scheduler.hold.incompatible.get(row.id),
         }
+
+
+def _a(name: str) -> str:
+    """Return `name` with its indefinite article: "an Approval", "a Tally"."""
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 def _json_or_text(text: str) -> Any:
