@@ -46,7 +46,12 @@ class Backend(Protocol):
         self, workflow_id: str | None = None, *, follow: bool = True
     ) -> AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]: ...
     async def wait(
-        self, workflow_ids: Ids, *, any: bool = False, timeout_s: float | None = None
+        self,
+        workflow_ids: Ids,
+        *,
+        any: bool = False,
+        timeout_s: float | None = None,
+        until: str = "ended",
     ) -> dict[str, Any]: ...
     def types(self) -> Records: ...
 
@@ -155,7 +160,9 @@ class Dispatcher:
             ):  # fmt: skip
                 return await self._schedule(req)
             case proto.Wait():
-                return await b.wait(req.workflow_ids, any=req.any, timeout_s=req.timeout_s)
+                return await b.wait(
+                    req.workflow_ids, any=req.any, timeout_s=req.timeout_s, until=req.until
+                )
             case proto.Types():
                 return b.types()
             case _:

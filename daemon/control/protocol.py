@@ -214,6 +214,8 @@ class Wait(Request, tag="wait"):
     workflow_ids: Annotated[list[str], msgspec.Meta(min_length=1, max_length=1000)]
     any: bool = False
     timeout_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    #: "blocked": answer as soon as each workflow has stopped moving (it waits, is held or ended).
+    until: Literal["ended", "blocked"] = "ended"
 
 
 class Types(Request, tag="types"):

@@ -54,9 +54,17 @@ class Endings:
                 waker.event.set()
 
     async def wait(
-        self, workflow_ids: Iterable[str], *, any: bool = False, timeout_s: float | None = None
+        self,
+        workflow_ids: Iterable[str],
+        *,
+        any: bool = False,
+        timeout_s: float | None = None,
+        until: str = "ended",
     ) -> dict[str, Any]:
         """Return once the workflows end (all, or one with `any`), or after `timeout_s`.
+
+        With `until="blocked"`, a workflow counts once no actor runs it (it waits, is held, or
+        ended), which is what `workflowctl start` reports.
 
         The result is `{"workflows": [...], "timed_out"}`, one entry per id in the order given:
         `{"workflow_id", "workflow", "status", "ended", "error", "result"}` (`result` only for
@@ -82,6 +90,8 @@ class Endings:
                             row = await self._store.get(wid)
                             if row is None or row.status in _FINAL:
                                 ended[wid] = self._outcome(wid, row)
+                            elif until == "blocked":
+                                ended[wid] = _entry(wid, row, row.status, ended=False)
                     done = bool(ended) if any else len(ended) == len(ids)
                     if not done:
                         await waker.event.wait()

@@ -394,10 +394,11 @@ class Runtime:
         *,
         any: bool = False,
         timeout_s: float | None = None,
+        until: str = "ended",
     ) -> dict[str, Any]:
         """Answer once the workflows end (all, or one with `any`), or after `timeout_s`."""
         self._check_open()
-        return await self.endings.wait(workflow_ids, any=any, timeout_s=timeout_s)
+        return await self.endings.wait(workflow_ids, any=any, timeout_s=timeout_s, until=until)
 
     def types(self) -> builtins.list[dict[str, Any]]:
         """Describe the registered workflow types and their input fields."""

@@ -169,7 +169,12 @@ class MemoryBackend:
         return 0
 
     async def wait(
-        self, workflow_ids: Sequence[str], *, any: bool = False, timeout_s: float | None = None
+        self,
+        workflow_ids: Sequence[str],
+        *,
+        any: bool = False,
+        timeout_s: float | None = None,
+        until: str = "ended",
     ) -> dict[str, Any]:
         """Report where the workflows stand at once (nothing moves in memory on its own)."""
         rows = [self._get(wid) for wid in workflow_ids]
