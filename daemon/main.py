@@ -18,6 +18,7 @@ import anyio
 import anyio.abc
 import structlog
 
+from daemon.control.dispatch import version
 from daemon.control.server import Server, serve
 from daemon.control.sockfile import listener_from_systemd
 from daemon.core.schedule import Schedule
@@ -238,6 +239,13 @@ async def _collect_garbage(rt: Runtime, reloader: Reloader) -> None:
     await supervise("retention", collect, pause)
 
 
+def default_config() -> Path:
+    """Return the config file used without --config, in the order workflowctl looks too."""
+    if os.environ.get("WORKFLOWD_CONFIG"):
+        return Config.default_path()
+    return Path("config.toml") if Path("config.toml").is_file() else Config.default_path()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run workflowd; exit 2 on a bad configuration or database, 1 if another daemon holds it."""
     refused = refuse_foreign("workflowd")
@@ -247,11 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     # threshold (700) full collections of a large heap dominated such bursts (measured).
     gc.set_threshold(GC_THRESHOLD, 10, 10)
     parser = argparse.ArgumentParser(prog="workflowd", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"workflowd {version()}")
+    default = default_config()
     parser.add_argument(
         "--config",
         type=Path,
         default=None,
-        help="config file (default: ./config.toml, else $WORKFLOWD_CONFIG or /etc/workflowd)",
+        help="config file (default: $WORKFLOWD_CONFIG, else ./config.toml, else the checkout's "
+        f"config.toml, else /etc/workflowd/config.toml; here and now: {default})",
     )
     parser.add_argument(
         "--hold",
@@ -260,9 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         "`workflowctl resume-all` releases them",
     )
     args = parser.parse_args(argv)
-    path = args.config or (Path("config.toml") if Path("config.toml").is_file() else None)
     try:
-        cfg = load_config(path or Config.default_path())
+        cfg = load_config(args.config or default)
         hub = LogHub()
         # Under systemd, records go to journald natively, with fields (see daemon/journal.py).
         native = JOURNAL_SOCKET if journal_attached(sys.stdout) else None

@@ -254,3 +254,144 @@ def types_text(rows: list[dict[str, Any]]) -> str:
             default = "required" if f.get("required") else f"= {compact(f.get('default'))}"
             lines.append(f"  {cell(f.get('name'))}: {cell(f.get('type'))} {escape(default)}")
     return "\n".join(lines) if lines else "no workflow types"
+
+
+# -- each command's result ----------------------------------------------------------------------
+
+
+def show(command: str, result: Any, style: Style = PLAIN) -> str:
+    """Return a command's result as text for people."""
+    match command, result:
+        case "ping", {"version": version, "workflows": dict(counts)}:
+            summary = ", ".join(f"{n} {cell(s)}" for s, n in sorted(counts.items()))
+            return f"workflowd {cell(version)}: {summary or 'no workflows'}"
+        case "cancel", {"workflow_id": wid, "status": status}:
+            return f"{cell(wid)}: {style.status(cell(status))}"
+        case "list", list(rows):
+            columns = ["workflow_id", "workflow", "status", "updated_at", "waiting_for"]
+            return table(rows, columns, style) if rows else "no workflows"
+        case "history", list(rows):
+            # A repair's before-image (for undo) is too big for a table; --json shows it.
+            rows = [
+                {k: v for k, v in r.items() if k != "undo"} if isinstance(r, dict) else {}
+                for r in rows
+            ]
+            found = dict.fromkeys(k for r in rows for k in r)
+            columns = [
+                "at",
+                "kind",
+                "thread",
+                *(k for k in found if k not in ("at", "kind", "thread")),
+            ]
+            return table(rows, columns, style, status="") if rows else "no history"
+        case "show", dict():
+            return describe(result, style)
+        case "send", str(text):
+            return escape(text)
+        case "send", None:
+            return "delivered"
+        case "send", {"queued": True}:
+            return "queued"
+        case "graph", str(text):
+            return escape(text.rstrip("\n"))
+        case "lint", list(rows):
+            columns = ["level", "code", "statement", "message"]
+            return table(rows, columns, style) if rows else "no findings"
+        case "types", list(rows):
+            return types_text(rows)
+        case "reload", {"reloaded": bool()}:
+            return reload_text(result)
+        case "backup", {"path": str(path), "bytes": int(size)}:
+            return f"backed up to {cell(path)} ({size} bytes)"
+        case "schedule list", list(rows):
+            return schedules_table(rows, style) if rows else "no schedules"
+        case "schedule show", {"name": str(), "fires": list()}:
+            return schedule_text(result)
+        case "schedule pause" | "schedule resume", {"name": name, "paused": bool(paused)}:
+            return f"{cell(name)}: {'paused' if paused else 'resumed'}"
+        case "schedule trigger", {"workflow_id": wid, "status": status}:
+            return f"{cell(wid)}: {style.status(cell(status))}"
+    return escape(pretty(result))
+
+
+def started_text(result: dict[str, Any], shown: dict[str, Any], style: Style = PLAIN) -> str:
+    """Return what `start` prints: the id, and what the workflow waits for or does next."""
+    wid, status = cell(result.get("workflow_id")), cell(shown.get("status"))
+    head = f"{wid}: {style.status(status)}" + ("" if result.get("created", True) else " (existed)")
+    if shown.get("held"):
+        return f"{head}, held (`workflowctl resume {wid}` lets it run)"
+    waits = shown.get("waiting_for") or []
+    if status == "Waiting" and waits:
+        return f"{head} for {cell(waits)}"
+    running = shown.get("running_step")
+    if isinstance(running, dict):
+        return f"{head}, running step {cell(running.get('step'))}"
+    retry = shown.get("retry")
+    if isinstance(retry, dict):
+        return f"{head}, step {cell(retry.get('step'))} failed, retried: {cell(shown.get('error'))}"
+    if shown.get("error"):
+        return f"{head}: {cell(shown['error'])}"
+    return head
+
+
+def schedules_table(rows: list[dict[str, Any]], style: Style = PLAIN) -> str:
+    """Return `schedule list` rows as a table (times in local time)."""
+    shown = [
+        {
+            "name": r.get("name"),
+            "workflow": r.get("workflow"),
+            "spec": r.get("spec"),
+            "tz": r.get("tz"),
+            "next": cell(r.get("next_fire_at"), "next_fire_at"),
+            "last": cell(r.get("last_fire_at"), "last_fire_at"),
+            "last_result": r.get("last_status") or "",
+            "paused": "yes" if r.get("paused") else "no",
+        }
+        for r in rows
+    ]
+    return table(shown, list(shown[0]), style, status="last_result")
+
+
+def schedule_text(result: dict[str, Any]) -> str:
+    """Return `schedule show`: its settings and state, then its fires oldest first."""
+    c = {k: cell(v) for k, v in result.items() if k != "fires"}
+    last = c.get("last_workflow_id")
+    lines = [
+        f"name:      {c.get('name')}",
+        f"workflow:  {c.get('workflow')}  input: {cell(result.get('input') or {})}",
+        f"spec:      {c.get('spec')} ({c.get('tz')})",
+        f"catchup:   {c.get('catchup')} (window {c.get('catchup_window_s')} s)",
+        f"overlap:   {c.get('overlap')}  jitter: {c.get('jitter_s')} s",
+        f"next fire: {cell(result.get('next_fire_at'), 'at') or '-'}",
+        f"last fire: {cell(result.get('last_fire_at'), 'at') or '-'}"
+        + (f"  {last} ({c.get('last_status') or 'deleted'})" if last else ""),
+        f"paused:    {'yes' if result.get('paused') else 'no'}",
+    ]
+    if result.get("buffered_at") is not None:
+        lines.append(f"buffered:  {cell(result['buffered_at'], 'at')}")
+    fires = result["fires"]
+    columns = ["at", "kind", "nominal_at", "workflow_id", "reason", "count"]
+    return "\n".join([*lines, "", table(fires, columns) if fires else "no fires yet"])
+
+
+def reload_text(result: dict[str, Any]) -> str:
+    """Return a reload's outcome, one blocking workflow per line."""
+    if result["reloaded"]:
+        lines = [f"reloaded: {cell(result.get('workflows', []))}"]
+        if result.get("needs_restart"):
+            lines.append(f"needs a restart: {cell(result['needs_restart'])}")
+        held = result.get("incompatible") or []
+        if held:
+            count = result.get("incompatible_count", len(held))
+            lines.append(f"still held, {cell(count)} workflow(s) do not fit the new code:")
+            for h in held:
+                lines.append(
+                    f"  {cell(h.get('workflow_id'))} ({cell(h.get('workflow'))}): "
+                    f"{cell(h.get('reason'))}"
+                )
+        return "\n".join(lines)
+    lines = [f"reload refused: {cell(result.get('error', ''))}; still running the old code"]
+    for b in result.get("blocked", []):
+        wid, wf, why = cell(b.get("workflow_id")), cell(b.get("workflow")), cell(b.get("reasons"))
+        lines.append(f"  {wid} ({wf}): {why}")
+    return "\n".join(lines)
