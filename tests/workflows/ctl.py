@@ -11,14 +11,14 @@ from handlers import Signal, Timer
 
 @dataclass
 class Verdict:
-    """The input of Review's `decide` event."""
+    """The input of Vetting's `decide` event."""
 
     approve: bool
     by: str = ""
 
 
 @dataclass
-class Review(Workflow):
+class Vetting(Workflow):
     """Waits for `decide` (or an hour), while a second thread waits for `note`."""
 
     request: str = ""
@@ -47,7 +47,7 @@ class Review(Workflow):
 
 
 @dataclass
-class Gate(Workflow):
+class Latch(Workflow):
     """Waits for `open`, then ends; `fail` fails it, so its end status is the sender's choice."""
 
     failing: bool = False
