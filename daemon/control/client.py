@@ -119,6 +119,11 @@ class Unreachable(ClientError):
 
     code = "unreachable"
 
+    def __init__(self, message: str = "", *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        #: True when the daemon stayed silent past the call's timeout.
+        self.timed_out = timed_out
+
 
 class NoSocket(ClientError):
     """The arguments, environment and config files do not say where the socket is."""
@@ -247,7 +252,7 @@ class _Link:
 
     def fail(self, e: OSError) -> Unreachable:
         if isinstance(e, TimeoutError):
-            return Unreachable(f"no answer within {self.limit:g} s (timeout)")
+            return Unreachable(f"no answer within {self.limit:g} s", timed_out=True)
         return Unreachable(e.strerror or str(e))
 
     def connect(self) -> None:
@@ -577,7 +582,7 @@ class AsyncClient:
                     return last.get("result")
             except TimeoutError:
                 await self.aclose()
-                raise Unreachable(f"no answer within {limit:g} s (timeout)") from None
+                raise Unreachable(f"no answer within {limit:g} s", timed_out=True) from None
             except Unreachable:
                 await self.aclose()
                 raise

@@ -469,7 +469,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"workflowctl: {e}", file=sys.stderr)
         code = EXIT_ERROR
     except Unreachable as e:
-        print(f"workflowctl: cannot reach workflowd at {path}: {e.message}", file=sys.stderr)
+        why = f"{e.message} (--timeout)" if e.timed_out else e.message
+        print(f"workflowctl: cannot reach workflowd at {path}: {why}", file=sys.stderr)
         code = EXIT_UNREACHABLE
     except ClientError as e:
         print(f"error: {e.code}: {render.escape(e.message, lines=False)}", file=sys.stderr)

@@ -26,7 +26,15 @@ _encoder = msgspec.json.Encoder(enc_hook=str)
 def escape(text: str, *, lines: bool = True) -> str:
     """Show control characters as `\\x1b` escapes; with `lines=False`, newlines and tabs too."""
     pattern = _CONTROL if lines else _CONTROL_ALL
-    return pattern.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    return pattern.sub(_escaped, text)
+
+
+_NAMED = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def _escaped(m: re.Match[str]) -> str:
+    c = m.group()
+    return _NAMED.get(c) or f"\\x{ord(c):02x}"
 
 
 class Style:

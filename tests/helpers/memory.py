@@ -85,7 +85,7 @@ class MemoryBackend:
         self.workflows[wid] = {
             "workflow_id": wid,
             "workflow": workflow,
-            "status": "waiting",
+            "status": "Waiting",
             "updated_at": f"2024-01-01T00:{self.started // 60:02d}:{self.started % 60:02d}Z",
             "waiting_for": list(self.kinds[workflow]),
             "pc": 1,
@@ -93,7 +93,7 @@ class MemoryBackend:
         }
         self._note(wid, "started", input)
         self.emit("workflow_started", workflow_id=wid)
-        return {"workflow_id": wid, "status": "waiting"}
+        return {"workflow_id": wid, "status": "Waiting"}
 
     async def send(
         self,
@@ -107,7 +107,7 @@ class MemoryBackend:
     ) -> Any:
         """Deliver an event the way the runtime would check it."""
         wf = self._get(workflow_id)
-        if wf["status"] != "waiting":
+        if wf["status"] != "Waiting":
             raise Conflict(f"workflow {workflow_id!r} is {wf['status']}")
         if event not in wf["waiting_for"] or thread_id not in (None, "main"):
             raise CallbackNotFound(f"{workflow_id!r} does not wait for {event!r}")
@@ -150,11 +150,11 @@ class MemoryBackend:
     async def cancel(self, workflow_id: str) -> dict[str, Any]:
         """Cancel a waiting workflow."""
         wf = self._get(workflow_id)
-        if wf["status"] != "waiting":
+        if wf["status"] != "Waiting":
             raise Conflict(f"workflow {workflow_id!r} is already {wf['status']}")
-        wf.update(status="cancelled", waiting_for=[])
+        wf.update(status="Cancelled", waiting_for=[])
         self._note(workflow_id, "cancelled")
-        return {"workflow_id": workflow_id, "status": "cancelled"}
+        return {"workflow_id": workflow_id, "status": "Cancelled"}
 
     async def counts(self) -> dict[str, int]:
         """Count workflows by status."""
@@ -178,7 +178,7 @@ class MemoryBackend:
     ) -> dict[str, Any]:
         """Report where the workflows stand at once (nothing moves in memory on its own)."""
         rows = [self._get(wid) for wid in workflow_ids]
-        out = [{**r, "ended": r["status"] != "waiting", "result": r.get("data")} for r in rows]
+        out = [{**r, "ended": r["status"] != "Waiting", "result": r.get("data")} for r in rows]
         ended = [r for r in out if r["ended"]]
         return {"workflows": out, "timed_out": not (ended if any else len(ended) == len(out))}
 

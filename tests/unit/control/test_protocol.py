@@ -166,6 +166,7 @@ class TestCodes:
             *("graph", "lint", "goto", "edit", "undo", "retry", "resume", "resume-all", "gc"),
             *("schedules", "schedule_show", "schedule_pause", "schedule_resume"),
             "schedule_trigger",
+            *("wait", "types"),
         } == OPS
 
     def test_decode_response(self) -> None:
