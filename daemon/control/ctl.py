@@ -410,7 +410,7 @@ def list_workflows(args: argparse.Namespace, client: Client, out: Output) -> int
     cut = len(rows) > args.limit or len(rows) == MAX_LIMIT
     rows = rows[: args.limit]
     out.result("list", rows)
-    if cut:
+    if cut and not out.json:  # --json prints the rows exactly; the count is for people
         total = ""
         if args.workflow is None and args.since is None:
             counts = client.call("ping").get("workflows", {})
