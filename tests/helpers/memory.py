@@ -121,7 +121,7 @@ class MemoryBackend:
             raise HandlerRejected("approve needs the reviewer's name (a string)")
         if self.hold is not None:
             await self.hold.wait()
-        wf.update(status="finished", waiting_for=[], pc=wf["pc"] + 1)
+        wf.update(status="Finished", waiting_for=[], pc=wf["pc"] + 1)
         self._note(workflow_id, event, input)
         self.emit("event_handled", workflow_id=workflow_id, name=event)
         return {"handled": event, "input": input}

@@ -17,8 +17,8 @@ import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from daemon.control.ctl import answer_timeout, build_parser, build_request
-from daemon.control.render import cell, show, table
 from daemon.control.protocol import Cancel, History, List, Logs, Ping, Send, Show, Start
+from daemon.control.render import cell, show, table
 from tests.helpers import REPO
 from tests.helpers.memory import MemoryBackend, serving
 
