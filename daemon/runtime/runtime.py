@@ -291,7 +291,7 @@ class Runtime:
         except Conflict as e:  # its row does not decode: no actor can load it
             return await self._cancel_undecodable(workflow_id, str(e))
         if loaded.state.status in FINAL_STATUSES:
-            raise Conflict(f"workflow {workflow_id} has already ended: {loaded.state.status}")
+            return _cancelled_again(workflow_id, loaded.state.status.value)
         reply = Reply()
         self.scheduler.submit(workflow_id, Item("cancel", reply=reply))  # interrupts its actor
         await reply.wait()
@@ -305,7 +305,7 @@ class Runtime:
         if row is None:
             raise WorkflowNotFound(f"no workflow {workflow_id!r}")
         if row.status in FINAL_STATUSES:
-            raise Conflict(f"workflow {workflow_id} has already ended: {row.status}")
+            return _cancelled_again(workflow_id, row.status)
         note = f"cancelled without tearing down its waits: {problem}"
         await self.store.set_status(
             workflow_id,
@@ -459,6 +459,13 @@ class Runtime:
             "error": row.error,
             "incompatible": self.scheduler.hold.incompatible.get(row.id),
         }
+
+
+def _cancelled_again(workflow_id: str, status: str) -> dict[str, Any]:
+    """Answer a cancel of an ended workflow: harmless if Cancelled, a conflict otherwise."""
+    if status == WorkflowStatus.CANCELLED.value:  # a retried cancel
+        return {"workflow_id": workflow_id, "status": status}
+    raise Conflict(f"workflow {workflow_id} has already ended: {status}")
 
 
 def _a(name: str) -> str:
