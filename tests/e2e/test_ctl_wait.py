@@ -91,11 +91,11 @@ class TestWait:
                 tg.start_soon(start_and_wait)
                 async with d.client() as c:
 
-                    async def started() -> bool:
+                    async def waits() -> bool:
                         shown = await c.request("show", workflow_id="v")
                         return bool(shown["ok"] and shown["result"]["status"] == "Waiting")
 
-                    await eventually(started)
+                    await eventually(waits)
                     await c.call("send", workflow_id="v", event="note", input="hi")
                     await c.call("send", workflow_id="v", event="decide", input={"approve": True})
         (started,) = done

@@ -5,8 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
+
 from daemon import Go, NonRetryableError, On, Retry, S, Section, Step, Wait, Workflow
 from handlers import Signal, Timer
+
+log = structlog.get_logger()
 
 
 @dataclass
@@ -30,6 +34,7 @@ class Vetting(Workflow):
         return f"{'approved' if v.approve else 'rejected'} by {v.by}"
 
     def note(self, text: Any) -> None:
+        log.info("note_taken", text=text)  # client input in a log field, as real code does
         self.notes.append(str(text))
 
     def result(self) -> dict[str, Any]:
