@@ -160,7 +160,10 @@ def error_of(response: dict[str, Any]) -> ClientError:
 
 
 def find_socket(
-    socket: str | os.PathLike[str] | None = None, config: str | os.PathLike[str] | None = None
+    socket: str | os.PathLike[str] | None = None,
+    config: str | os.PathLike[str] | None = None,
+    *,
+    service_socket: Path = SERVICE_SOCKET,
 ) -> Path:
     """Return the control socket's path, looked for as `workflowctl` does.
 
@@ -177,11 +180,11 @@ def find_socket(
         return socket_of(Path(os.environ["WORKFLOWD_CONFIG"]))
     if Path("config.toml").is_file():
         return socket_of(Path("config.toml"))
-    if SERVICE_SOCKET.exists():
-        return SERVICE_SOCKET
+    if service_socket.exists():
+        return service_socket
     raise NoSocket(
         "no socket found: pass --socket PATH or --config FILE, set WORKFLOWD_SOCKET or "
-        f"WORKFLOWD_CONFIG, or run where config.toml is (no ./config.toml, no {SERVICE_SOCKET})"
+        f"WORKFLOWD_CONFIG, or run where config.toml is (no ./config.toml, no {service_socket})"
     )
 
 
