@@ -64,8 +64,6 @@ class TestList:
             none = await ctl("list", "--limit", "0", socket=s)
             cut = await ctl("list", "--limit", "2", socket=s)
             by_type = ok(await ctl("list", "--workflow", "Vetting", socket=s))
-            recent = ok(await ctl("list", "--since", "1d", socket=s))
-            old = ok(await ctl("list", "--since", "0s", socket=s))
         assert [line.split()[0] for line in lower.splitlines()[1:]] == ["c", "b", "a"]
         assert re.search(rf"Waiting +{LOCAL_TIME}", lower)
         assert "no status 'Bogus'" in failed(bogus, 2) and "Waiting" in bogus.stderr.decode()
@@ -73,7 +71,16 @@ class TestList:
         assert cut.returncode == 0 and len(cut.stdout.splitlines()) == 3
         assert cut.stderr.decode() == "… 2 of 3 shown; --limit or --cursor for more\n"
         assert by_type == "no workflows\n"
-        assert len(recent.splitlines()) == 4 and old == "no workflows\n"
+
+    async def test_since(self, tmp_path: Path) -> None:
+        """--since keeps the workflows changed that recently."""
+        async with running_daemon(tmp_path, MODULES) as d:
+            ok(await ctl("start", "Latch", "--id", "a", socket=d.socket))
+            recent = ok(await ctl("list", "--since", "1d", socket=d.socket))
+            old = ok(await ctl("list", "--since", "0s", socket=d.socket))
+            bad = await ctl("list", "--since", "soon", socket=d.socket)
+        assert len(recent.splitlines()) == 2 and old == "no workflows\n"
+        assert "--since" in failed(bad, 2)
 
 
 class TestHistoryAndSend:

@@ -67,7 +67,8 @@ class TestHoldRecipe:
             started = ok(await ctl("start", "Approval", "--id", "a", socket=socket))
             assert (state / "workflowd.db").exists()
         finally:
-            proc.send_signal(signal.SIGTERM)
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
             with anyio.fail_after(30):
                 await proc.wait()
         assert proc.returncode == 0, log.read_text()
