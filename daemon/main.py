@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from functools import partial
@@ -31,6 +32,7 @@ from daemon.ops.reload import Reloader, settings_of
 from daemon.ops.repairs import Repairs
 from daemon.runtime.runtime import Runtime
 from daemon.runtime.schedules import Schedules
+from daemon.runtime.steps import ABANDONED
 from daemon.runtime.supervise import supervise
 from daemon.service.config import Config, load_config
 from daemon.service.journal import JOURNAL_SOCKET
@@ -239,6 +241,29 @@ async def _collect_garbage(rt: Runtime, reloader: Reloader) -> None:
     await supervise("retention", collect, pause)
 
 
+def _lingering_threads(grace_s: float = 2.0) -> list[threading.Thread]:
+    """Return the threads that would keep the interpreter from exiting.
+
+    Idle worker threads end on their own once the event loop has closed, just not at once:
+    when no step was abandoned they are all idle, so they get `grace_s` to go. A thread that
+    runs an abandoned step may hang for ever and is not waited for.
+    """
+    main_thread = threading.main_thread()
+
+    def others() -> list[threading.Thread]:
+        return [
+            t
+            for t in threading.enumerate()
+            if t is not main_thread and t.is_alive() and not t.daemon
+        ]
+
+    if ABANDONED.running == 0:
+        deadline = time.monotonic() + grace_s
+        for t in others():
+            t.join(max(deadline - time.monotonic(), 0.0))
+    return others()
+
+
 def default_config() -> Path:
     """Return the config file used without --config, in the order workflowctl looks too."""
     if os.environ.get("WORKFLOWD_CONFIG"):
@@ -292,8 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-    main_thread = threading.main_thread()
-    if any(t is not main_thread and t.is_alive() and not t.daemon for t in threading.enumerate()):
+    if _lingering_threads():
         # A sync step still hangs in a worker thread past the grace period; the interpreter
         # would wait for it forever. Everything durable is already committed.
         log.warning("daemon_exit_abandoning_threads")

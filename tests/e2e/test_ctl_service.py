@@ -14,7 +14,8 @@ import pytest
 
 from tests.helpers import REPO
 from tests.helpers.ctl import clean_env, ctl, ok
-from tests.helpers.wait import until
+from tests.helpers.harness import running_daemon
+from tests.helpers.wait import until, wait_status
 
 README = (REPO / "README.md").read_text()
 UNIT = (REPO / "systemd" / "workflowd.service").read_text()
@@ -98,3 +99,18 @@ class TestUnit:
         assert float(found.group(1)) <= 2.0, text
         for setting in ("PrivateDevices=", "ProtectClock=", "ProtectProc=", "RemoveIPC="):
             assert f"✗ {setting}" not in text
+
+
+class TestCleanStop:
+    async def test_no_abandoned_threads_after_a_sync_step(self, tmp_path: Path) -> None:
+        """A clean stop after sync steps ran exits 0 without `daemon_exit_abandoning_threads`."""
+        async with running_daemon(tmp_path, ["tests.workflows.ctl"]) as d:
+            async with d.client() as c:
+                await c.call("start", workflow="Latch", workflow_id="l")
+                await wait_status(c, "l", "Waiting")
+                await c.call("send", workflow_id="l", event="open")  # then the sync step runs
+                await wait_status(c, "l", "Finished")
+            code = await d.stop()
+        events = [r["event"] for r in d.records()]
+        assert code == 0 and "daemon_stopped" in events
+        assert "daemon_exit_abandoning_threads" not in events
