@@ -8,6 +8,7 @@ from pathlib import Path
 
 import anyio
 
+from tests.helpers import REPO
 from tests.helpers.ctl import clean_env, ctl, failed, ok, on_terminal
 from tests.helpers.harness import running_daemon
 from tests.helpers.wait import shown_when, wait_status
@@ -126,6 +127,30 @@ class TestErrors:
         assert "exists and is a Vetting, not a Latch" in failed(other, 1)
         assert failed(logs, 1) == "error: not_found: no workflow 'nope'\n"
         assert failed(cancel, 1).startswith("error: conflict: workflow l has already ended")
+
+    async def test_reload_names_the_module_that_fails(self, tmp_path: Path) -> None:
+        """A reload refused for a module that does not import names that module."""
+        mods = tmp_path / "mods"
+        mods.mkdir()
+        module = mods / "ctl_reload_names.py"
+        module.write_text(MODULE)
+        paths = {"paths": [str(REPO), str(mods)]}
+        async with running_daemon(tmp_path, ["ctl_reload_names"], workflows=paths) as d:
+            module.write_text(MODULE + '\nraise ImportError("broken on purpose")\n')
+            refused = await ctl("reload", socket=d.socket)
+        assert refused.returncode == 1
+        assert "cannot import 'ctl_reload_names': ImportError: broken" in refused.stdout.decode()
+
+
+MODULE = """
+from dataclasses import dataclass
+from daemon import S, Section, Workflow
+
+@dataclass
+class Reloadable(Workflow):
+    def definition(self) -> Section:
+        return S()
+"""
 
 
 class TestTerminal:

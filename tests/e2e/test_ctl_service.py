@@ -6,6 +6,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket as stdlib_socket
 import sys
 from pathlib import Path
 
@@ -55,6 +56,8 @@ class TestHoldRecipe:
         argv = shlex.split(moved)
         assert argv[:3] == ["sudo", "-u", "workflowd"]  # we are not that user here: drop it
         argv = argv[3:]
+        with stdlib_socket.socket(stdlib_socket.AF_UNIX) as stale:  # what the stopped unit left
+            stale.bind(str(run / "workflowd.sock"))
         log = tmp_path / "daemon.log"
         with log.open("wb") as out:
             proc = await anyio.open_process(
