@@ -16,7 +16,8 @@ import pytest
 from tests.helpers import REPO
 from tests.helpers.ctl import clean_env, ctl, ok
 from tests.helpers.harness import running_daemon
-from tests.helpers.wait import until, wait_status
+from tests.helpers.client import connect
+from tests.helpers.wait import eventually, wait_status
 
 README = (REPO / "README.md").read_text()
 UNIT = (REPO / "systemd" / "workflowd.service").read_text()
@@ -65,7 +66,17 @@ class TestHoldRecipe:
             )
         socket = run / "workflowd.sock"
         try:
-            await until(lambda: proc.returncode is not None or socket.exists(), limit_s=30)
+
+            async def answers() -> bool:
+                if proc.returncode is not None:
+                    return True  # exited: said why in its log
+                try:
+                    async with connect(socket) as c:
+                        return bool((await c.request("ping"))["ok"])
+                except OSError:  # not listening yet (the stale file is still there)
+                    return False
+
+            await eventually(answers, limit_s=30)
             assert proc.returncode is None, log.read_text()
             pinged = ok(await ctl("ping", socket=socket))
             started = ok(await ctl("start", "Approval", "--id", "a", socket=socket))
