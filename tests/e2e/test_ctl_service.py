@@ -14,9 +14,9 @@ import anyio
 import pytest
 
 from tests.helpers import REPO
+from tests.helpers.client import connect
 from tests.helpers.ctl import clean_env, ctl, ok
 from tests.helpers.harness import running_daemon
-from tests.helpers.client import connect
 from tests.helpers.wait import eventually, wait_status
 
 README = (REPO / "README.md").read_text()
