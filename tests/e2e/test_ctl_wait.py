@@ -102,6 +102,19 @@ class TestWait:
         result = json.loads(ok(started))
         assert result["workflows"][0]["result"] == {"approved": True, "notes": 1}
 
+    async def test_shutdown_answers_a_wait(self, tmp_path: Path) -> None:
+        """A wait in progress when the daemon stops is answered `unavailable`, not hung up on."""
+        async with running_daemon(tmp_path, MODULES) as d:
+            ok(await ctl("start", "Latch", "--id", "l", socket=d.socket))
+            async with d.client() as c:
+                wait = {"id": 1, "op": "wait", "workflow_ids": ["l"]}
+                ping = {"id": 2, "op": "ping"}
+                await c.stream.send(f"{json.dumps(wait)}\n{json.dumps(ping)}\n".encode())
+                assert (await c.read())["id"] == 2  # the wait was read before it, and waits
+                assert await d.stop() == 0
+                answer = await c.read()
+        assert answer["id"] == 1 and answer["error"]["code"] == "unavailable", answer
+
 
 class TestStartAndTypes:
     async def test_start_says_what_it_waits_for(self, tmp_path: Path) -> None:
