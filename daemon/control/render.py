@@ -149,7 +149,8 @@ def wait_text(ev: dict[str, Any], workflow_id: str, now: float) -> str:
     deadline = setup.get("deadline")
     if kind == "timer" and isinstance(deadline, int | float):
         at = datetime.fromtimestamp(deadline).astimezone()
-        day = "" if at.date() == datetime.now().astimezone().date() else f"{at:%Y-%m-%d} "
+        today = datetime.fromtimestamp(now).astimezone().date()
+        day = "" if at.date() == today else f"{at:%Y-%m-%d} "
         what = f"timer fires {relative(deadline, now)}, at {day}{at:%H:%M:%S}"
         if deadline <= now:
             what = f"timer due since {span(now - deadline)} (at {day}{at:%H:%M:%S})"
