@@ -35,7 +35,9 @@ class TestShow:
         assert re.search(r"_main_ +waits at await_decision", text)
         assert re.search(r"notes:notes +waits at await_note", text)
         assert "decide: `workflowctl send v decide`" in text
-        assert re.search(r"expired: timer fires in (59|60) min, at ([-\d]{10} )?[:\d]{8}", text), text
+        assert re.search(r"expired: timer fires in (59|60) min, at ([-\d]{10} )?[:\d]{8}", text), (
+            text
+        )
         assert '    "request": "r",' in lines  # the data, indented JSON
         assert not re.search(r"\d{10}\.\d", text)  # no Unix seconds
         assert "setup_data" not in text and '\\"' not in text  # no JSON inside strings

@@ -85,7 +85,17 @@ class TestWait:
 
                 async def start_and_wait() -> None:
                     done.append(
-                        await ctl("--json", "start", "Vetting", "--id", "v", "--wait", socket=s)
+                        await ctl(
+                            "--json",
+                            "start",
+                            "Vetting",
+                            "--id",
+                            "v",
+                            "--wait",
+                            "--timeout",
+                            "45",
+                            socket=s,
+                        )
                     )
 
                 tg.start_soon(start_and_wait)
