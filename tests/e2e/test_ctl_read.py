@@ -112,8 +112,10 @@ class TestHistoryAndSend:
 class TestErrors:
     async def test_messages_name_what_exists(self, tmp_path: Path) -> None:
         """Wrong events, threads, ids and types get a message naming what there is."""
-        async with running_daemon(tmp_path, MODULES) as d:
+        async with running_daemon(tmp_path, [*MODULES, "daemon.examples"]) as d:
             s = d.socket
+            ok(await ctl("start", "Approval", "--id", "ap", socket=s))
+            an = await ctl("start", "Latch", "--id", "ap", socket=s)
             ok(await ctl("start", "Vetting", "--id", "v", socket=s))
             ok(await ctl("start", "Latch", "--id", "l", socket=s))
             event = await ctl("send", "v", "nosuch", socket=s)
@@ -127,6 +129,7 @@ class TestErrors:
         assert "does not wait for 'nosuch'; it waits for: decide, expired, note" in failed(event, 1)
         assert "no thread 'zz' (threads: _main_, notes:notes)" in failed(thread, 1)
         assert "exists and is a Vetting, not a Latch" in failed(other, 1)
+        assert "exists and is an Approval, not a Latch" in failed(an, 1)
         assert failed(logs, 1) == "error: not_found: no workflow 'nope'\n"
         assert failed(cancel, 1).startswith("error: conflict: workflow l has already ended")
 
