@@ -21,10 +21,17 @@ _FINAL = frozenset(s.value for s in FINAL_STATUSES)
 
 
 class _Waker:
-    """One waiting request's event, renewed before each look at the store."""
+    """One waiting request's event, renewed before each look, and the ids that exited since."""
 
-    def __init__(self) -> None:
+    def __init__(self, ids: Iterable[str]) -> None:
         self.event = anyio.Event()
+        #: Looked at on the next turn: every id on the first, then only those that exited.
+        self.due: set[str] = set(ids)
+
+    def wake(self, workflow_id: str) -> None:
+        """Note that the workflow's actor exited, and wake the waiter."""
+        self.due.add(workflow_id)
+        self.event.set()
 
 
 class Endings:
@@ -44,7 +51,7 @@ class Endings:
     def exited(self, workflow_id: str) -> None:
         """Wake whoever waits on this workflow: it may have ended."""
         for waker in self._wakers.get(workflow_id, ()):
-            waker.event.set()
+            waker.wake(workflow_id)
 
     def stop(self) -> None:
         """Answer every wait now (`unavailable`): the daemon is shutting down."""
@@ -74,7 +81,7 @@ class Endings:
         for wid in ids:
             if await self._store.get(wid) is None:
                 raise WorkflowNotFound(f"no workflow {wid!r}")
-        waker = _Waker()
+        waker = _Waker(ids)
         for wid in ids:
             self._wakers.setdefault(wid, set()).add(waker)
         ended: dict[str, dict[str, Any]] = {}
@@ -85,8 +92,9 @@ class Endings:
                     if self._stopping:
                         raise Unavailable("workflowd is shutting down")
                     waker.event = anyio.Event()  # before looking: an exit meanwhile wakes us
+                    due, waker.due = waker.due, set()
                     for wid in ids:
-                        if wid not in ended and not self._running(wid):
+                        if wid in due and wid not in ended and not self._running(wid):
                             row = await self._store.get(wid)
                             if row is None or row.status in _FINAL:
                                 ended[wid] = self._outcome(wid, row)
