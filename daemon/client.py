@@ -1,7 +1,7 @@
 """The Python client for workflowd's control socket: `from daemon.client import Client`."""
 
+from daemon.control.aclient import AsyncClient
 from daemon.control.client import (
-    AsyncClient,
     BadInput,
     BadRequest,
     Client,

@@ -195,7 +195,9 @@ class TestRules:
     def test_client_imports_only_protocol(self) -> None:
         """The Python client speaks the protocol and nothing else of the daemon's."""
         assert our_imports("daemon.control.client") <= {"daemon.control.protocol", "daemon.control"}
-        assert our_imports("daemon.client") <= {"daemon.control.client", "daemon.control"}
+        client = {"daemon.control.client", "daemon.control.protocol", "daemon.control"}
+        assert our_imports("daemon.control.aclient") <= client
+        assert our_imports("daemon.client") <= client | {"daemon.control.aclient"}
         assert our_imports("daemon.control.render") <= set()
 
     def test_actor_is_private_to_the_runtime(self) -> None:

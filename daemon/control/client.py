@@ -1,4 +1,4 @@
-"""A Python client for workflowd's control socket, blocking (`Client`) or async (`AsyncClient`).
+"""The Python client for workflowd's control socket: `Client` (blocking), errors, discovery.
 
     with Client() as c:
         c.start("Approval", workflow_id="deploy-42", input={"request": "deploy 42"})
@@ -6,7 +6,8 @@
         c.wait("deploy-42", timeout=60)
 
 Every error answer raises the `ClientError` subclass of its protocol code (`NotFound`,
-`Conflict`, `BadInput`, ...), with `.code` and `.message`. `workflowctl` is built on `Client`.
+`Conflict`, `BadInput`, ...), with `.code` and `.message`. `workflowctl` is built on `Client`;
+`AsyncClient` (daemon.control.aclient) has the same methods, awaitable.
 """
 
 from __future__ import annotations
@@ -17,13 +18,10 @@ import os
 import socket as socketlib
 import time
 import tomllib
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, overload
-
-import anyio
-import anyio.abc
 
 from daemon.control import protocol as proto
 
@@ -208,21 +206,23 @@ def socket_of(config: Path) -> Path:
     return Path(os.path.normpath(config.parent / value))
 
 
-def _request(rid: int, op: str, fields: dict[str, Any]) -> bytes:
+def encode_request(rid: int, op: str, fields: dict[str, Any]) -> bytes:
     """Encode one request, leaving out the fields that are None."""
     return proto.encode({"id": rid, "op": op, **{k: v for k, v in fields.items() if v is not None}})
 
 
-def _wait_fields(ids: Sequence[str], any: bool, timeout: float | None) -> dict[str, Any]:
+def wait_fields(ids: Sequence[str], any: bool, timeout: float | None) -> dict[str, Any]:
+    """Return the fields of a `wait` request."""
     return {"workflow_ids": list(ids), "any": any or None, "timeout_s": timeout}
 
 
-def _wait_deadline(timeout: float | None) -> float | None:
+def wait_deadline(timeout: float | None) -> float | None:
     """How long to wait for a `wait` answer: its own timeout plus a grace, else forever."""
     return None if timeout is None else timeout + WAIT_GRACE_S
 
 
-def _wait_result(ids: str | Sequence[str], result: dict[str, Any]) -> Any:
+def wait_outcome(ids: str | Sequence[str], result: dict[str, Any]) -> Any:
+    """Return what `wait` returns for `ids` (one entry, or the list); raise WaitTimeout."""
     if result.get("timed_out"):
         pending = [w["workflow_id"] for w in result.get("workflows", []) if not w.get("ended")]
         raise WaitTimeout(f"still running: {', '.join(pending)}", result)
@@ -349,7 +349,7 @@ class Client:
         rid = next(self._ids)
         try:
             link = self._open(timeout)
-            link.send(_request(rid, op, fields))
+            link.send(encode_request(rid, op, fields))
             while True:
                 response = link.read()
                 if response.get("id") not in (rid, None):
@@ -440,13 +440,13 @@ class Client:
         list, one such dict per id.
         """
         ids = [workflow_ids] if isinstance(workflow_ids, str) else list(workflow_ids)
-        limit = _wait_deadline(timeout)
+        limit = wait_deadline(timeout)
         result = self.call(
             "wait",
             timeout=limit if limit is not None else float("inf"),
-            **_wait_fields(ids, any, timeout),
+            **wait_fields(ids, any, timeout),
         )
-        return _wait_result(workflow_ids, result)
+        return wait_outcome(workflow_ids, result)
 
     def list(
         self, *, status: str | None = None, workflow: str | None = None, limit: int | None = None
@@ -498,208 +498,3 @@ class Client:
                     yield response["log"]
         finally:
             own.close()
-
-
-class AsyncClient:
-    """The same methods as `Client`, awaitable; calls on one client take turns on its connection."""
-
-    def __init__(
-        self,
-        socket: str | os.PathLike[str] | None = None,
-        config: str | os.PathLike[str] | None = None,
-        timeout: float | None = 60.0,
-    ) -> None:
-        self.path = find_socket(socket, config)
-        self.timeout = timeout
-        self._stream: anyio.abc.SocketStream | None = None
-        self._buffer = b""
-        self._turn = anyio.Lock()
-        self._ids = itertools.count(1)
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Close the connection (the next call opens a new one)."""
-        stream, self._stream, self._buffer = self._stream, None, b""
-        if stream is not None:
-            await stream.aclose()
-
-    async def _readline(self, stream: anyio.abc.SocketStream) -> dict[str, Any]:
-        while b"\n" not in self._buffer:
-            try:
-                chunk = await stream.receive(65536)
-            except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
-                raise Unreachable("workflowd closed the connection") from None
-            self._buffer += chunk
-            if len(self._buffer) > 64 * proto.MAX_REQUEST_BYTES:
-                raise Unreachable("an answer line is too long")
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        try:
-            return proto.decode_response(line)
-        except proto.ProtocolError as e:
-            raise Unreachable(e.message) from None
-
-    async def _exchange(self, op: str, fields: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        rid = next(self._ids)
-        if self._stream is None:
-            try:
-                self._stream = await anyio.connect_unix(self.path)
-            except OSError as e:
-                raise Unreachable(e.strerror or str(e)) from None
-        stream = self._stream
-        try:
-            await stream.send(_request(rid, op, fields))
-        except (anyio.BrokenResourceError, OSError) as e:
-            raise Unreachable(str(e) or "workflowd closed the connection") from None
-        while True:
-            response = await self._readline(stream)
-            if response.get("id") not in (rid, None):
-                continue
-            if not response.get("ok"):
-                raise error_of(response)
-            yield response
-            if "log" not in response:
-                return
-
-    async def call(
-        self,
-        op: str,
-        *,
-        timeout: float | None = None,  # noqa: ASYNC109 - bounds the answer, as in Client
-        **fields: Any,
-    ) -> Any:
-        """Send one request (fields that are None left out) and return its result."""
-        limit = self.timeout if timeout is None else timeout
-        async with self._turn:
-            try:
-                with anyio.fail_after(limit):
-                    last: dict[str, Any] = {}
-                    async for response in self._exchange(op, fields):
-                        last = response
-                    return last.get("result")
-            except TimeoutError:
-                await self.aclose()
-                raise Unreachable(f"no answer within {limit:g} s", timed_out=True) from None
-            except Unreachable:
-                await self.aclose()
-                raise
-
-    async def ping(self) -> dict[str, Any]:
-        """Return the daemon's version and workflow counts."""
-        result: dict[str, Any] = await self.call("ping")
-        return result
-
-    async def start(
-        self, workflow: str, workflow_id: str | None = None, input: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
-        """Start a workflow; return `{"workflow_id", "status", "created"}`."""
-        result: dict[str, Any] = await self.call(
-            "start", workflow=workflow, workflow_id=workflow_id, input=input
-        )
-        return result
-
-    async def send(
-        self,
-        workflow_id: str,
-        event: str,
-        input: Any = None,
-        *,
-        thread_id: str | None = None,
-        pc: int | None = None,
-        wait: bool = True,
-    ) -> Any:
-        """Send an event; return the handler's reply (`{"queued": true}` with wait=False)."""
-        return await self.call(
-            "send",
-            workflow_id=workflow_id,
-            event=event,
-            input=input,
-            thread_id=thread_id,
-            pc=pc,
-            wait=None if wait else False,
-        )
-
-    # `timeout` is the daemon's: it is sent in the request (the op's own `timeout_s`).
-    @overload
-    async def wait(  # type: ignore[overload-overlap]  # a str is a Sequence[str]: str comes first
-        self,
-        workflow_ids: str,
-        *,
-        any: bool = False,
-        timeout: float | None = None,  # noqa: ASYNC109
-    ) -> dict[str, Any]: ...
-    @overload
-    async def wait(
-        self,
-        workflow_ids: Sequence[str],
-        *,
-        any: bool = False,
-        timeout: float | None = None,  # noqa: ASYNC109
-    ) -> builtins.list[dict[str, Any]]: ...
-    async def wait(
-        self,
-        workflow_ids: str | Sequence[str],
-        *,
-        any: bool = False,
-        timeout: float | None = None,  # noqa: ASYNC109
-    ) -> Any:
-        """Wait until the workflows end, as `Client.wait` does."""
-        ids = [workflow_ids] if isinstance(workflow_ids, str) else list(workflow_ids)
-        limit = _wait_deadline(timeout)
-        result = await self.call(
-            "wait", timeout=limit if limit is not None else float("inf"),
-            **_wait_fields(ids, any, timeout),
-        )  # fmt: skip
-        return _wait_result(workflow_ids, result)
-
-    async def list(
-        self, *, status: str | None = None, workflow: str | None = None, limit: int | None = None
-    ) -> builtins.list[dict[str, Any]]:
-        """Return workflow summaries, newest first."""
-        result: builtins.list[dict[str, Any]] = await self.call(
-            "list", status=status, workflow=workflow, limit=limit
-        )
-        return result
-
-    async def show(self, workflow_id: str) -> dict[str, Any]:
-        """Return one workflow's data and state."""
-        result: dict[str, Any] = await self.call("show", workflow_id=workflow_id)
-        return result
-
-    async def history(
-        self, workflow_id: str, *, limit: int | None = None
-    ) -> builtins.list[dict[str, Any]]:
-        """Return a workflow's history records, oldest first."""
-        result: builtins.list[dict[str, Any]] = await self.call(
-            "history", workflow_id=workflow_id, limit=limit
-        )
-        return result
-
-    async def cancel(self, workflow_id: str) -> dict[str, Any]:
-        """Cancel a workflow; a finished one raises Conflict."""
-        result: dict[str, Any] = await self.call("cancel", workflow_id=workflow_id)
-        return result
-
-    async def types(self) -> builtins.list[dict[str, Any]]:
-        """Return the registered workflow types with their input fields."""
-        result: builtins.list[dict[str, Any]] = await self.call("types")
-        return result
-
-    async def logs(
-        self, *, follow: bool = False, workflow_id: str | None = None
-    ) -> AsyncIterator[dict[str, Any]]:
-        """Yield log records, on a connection of their own (see `Client.logs`)."""
-        own = AsyncClient(self.path, timeout=self.timeout)
-        fields = {"follow": follow or None, "workflow_id": workflow_id}
-        try:
-            async for response in own._exchange("logs", fields):
-                if "log" in response:
-                    yield response["log"]
-        finally:
-            await own.aclose()
