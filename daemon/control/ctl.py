@@ -248,24 +248,24 @@ def add_repair_commands(command: Any) -> None:
     """Add the commands that draw, check and repair workflows."""
     p = command("graph", "draw a workflow type's definition; with ID, where that workflow is")
     complete(p.add_argument("workflow", metavar="NAME"), type_names)
-    p.add_argument("workflow_id", metavar="ID", nargs="?")
+    complete(p.add_argument("workflow_id", metavar="ID", nargs="?"), workflow_ids)
     formats = ("mermaid", "dot", "svg")
     p.add_argument("--format", choices=formats, default="mermaid", help="svg needs Graphviz")
     p = command("lint", "check a workflow type's definition; exit 1 if it has errors")
     complete(p.add_argument("workflow", metavar="NAME"), type_names)
     p = command("goto", "move a thread of a waiting or failed workflow to a statement")
-    p.add_argument("workflow_id", metavar="ID")
+    complete(p.add_argument("workflow_id", metavar="ID"), workflow_ids)
     p.add_argument("thread_id", metavar="THREAD", help="_main_, or a Go thread's id")
     p.add_argument("statement", metavar="STATEMENT", help="a step, wait, event, loop or branch")
     p = command("edit", "set data fields of a waiting or failed workflow")
-    p.add_argument("workflow_id", metavar="ID")
+    complete(p.add_argument("workflow_id", metavar="ID"), workflow_ids)
     p.add_argument("--set", metavar="FIELD=JSON", type=field_value, action=SetFields, required=True)
     for name, help in [
         ("undo", "revert the last goto or edit of a workflow"),
         ("retry", "resume a failed workflow from its failing step"),
         ("resume", "let a workflow held by `workflowd --hold` run"),
     ]:
-        command(name, help).add_argument("workflow_id", metavar="ID")
+        complete(command(name, help).add_argument("workflow_id", metavar="ID"), workflow_ids)
     command("resume-all", "end the hold of `workflowd --hold`: every workflow runs")
     p = command("gc", "delete finished workflows older than the retention now")
     p.add_argument("--keep-days", type=float, help="default: [store] keep_finished_days")
