@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -39,6 +40,7 @@ from daemon.ops.repairs import Repairs
 from daemon.runtime.cache import Cache
 from daemon.runtime.runtime import Runtime
 from daemon.runtime.schedules import Schedules
+from daemon.runtime.steps import ABANDONED
 from daemon.runtime.supervise import supervise
 from daemon.service.config import Config, load_config
 from daemon.service.journal import JOURNAL_SOCKET
@@ -161,7 +163,7 @@ async def run_daemon(
                     types=lambda: sorted(rt.cache.registry),
                 )
                 tg.start_soon(partial(serve_http, dashboard_on, dashboard, name="dashboard"))
-            rt.scheduler.on_exit = timetable.workflow_exited
+            rt.on_exit = timetable.workflow_exited
             reloader.on_schedules = timetable.configure
             firing = anyio.CancelScope()
 
@@ -316,6 +318,36 @@ async def _collect_garbage(rt: Runtime, reloader: Reloader) -> None:
     await supervise("retention", collect, pause)
 
 
+def _lingering_threads(grace_s: float = 2.0) -> list[threading.Thread]:
+    """Return the threads that would keep the interpreter from exiting.
+
+    Idle worker threads end on their own once the event loop has closed, just not at once:
+    when no step was abandoned they are all idle, so they get `grace_s` to go. A thread that
+    runs an abandoned step may hang for ever and is not waited for.
+    """
+    main_thread = threading.main_thread()
+
+    def others() -> list[threading.Thread]:
+        return [
+            t
+            for t in threading.enumerate()
+            if t is not main_thread and t.is_alive() and not t.daemon
+        ]
+
+    if ABANDONED.running == 0:
+        deadline = time.monotonic() + grace_s
+        for t in others():
+            t.join(max(deadline - time.monotonic(), 0.0))
+    return others()
+
+
+def default_config() -> Path:
+    """Return the config file used without --config, in the order workflowctl looks too."""
+    if os.environ.get("WORKFLOWD_CONFIG"):
+        return Config.default_path()
+    return Path("config.toml") if Path("config.toml").is_file() else Config.default_path()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run workflowd; exit 2 on a bad configuration or database, 1 if another daemon holds it."""
     refused = refuse_foreign("workflowd")
@@ -325,11 +357,14 @@ def main(argv: list[str] | None = None) -> int:
     # threshold (700) full collections of a large heap dominated such bursts (measured).
     gc.set_threshold(GC_THRESHOLD, 10, 10)
     parser = argparse.ArgumentParser(prog="workflowd", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"workflowd {version()}")
+    default = default_config()
     parser.add_argument(
         "--config",
         type=Path,
         default=None,
-        help="config file (default: ./config.toml, else $WORKFLOWD_CONFIG or /etc/workflowd)",
+        help="config file (default: $WORKFLOWD_CONFIG, else ./config.toml, else the checkout's "
+        f"config.toml, else /etc/workflowd/config.toml; here and now: {default})",
     )
     parser.add_argument(
         "--hold",
@@ -338,9 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         "`workflowctl resume-all` releases them",
     )
     args = parser.parse_args(argv)
-    path = args.config or (Path("config.toml") if Path("config.toml").is_file() else None)
     try:
-        cfg = load_config(path or Config.default_path())
+        cfg = load_config(args.config or default)
         hub = LogHub()
         # Under systemd, records go to journald natively, with fields (see daemon/journal.py).
         native = JOURNAL_SOCKET if journal_attached(sys.stdout) else None
@@ -360,8 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-    main_thread = threading.main_thread()
-    if any(t is not main_thread and t.is_alive() and not t.daemon for t in threading.enumerate()):
+    if _lingering_threads():
         # A sync step still hangs in a worker thread past the grace period; the interpreter
         # would wait for it forever. Everything durable is already committed.
         log.warning("daemon_exit_abandoning_threads")

@@ -61,7 +61,7 @@ def backend() -> MemoryBackend:
     b.workflows["wf-1"] = {
         "workflow_id": "wf-1",
         "workflow": "approval",
-        "status": "waiting",
+        "status": "Waiting",
         "updated_at": "2023-12-31T00:00:00Z",
         "waiting_for": ["approve", "reject", "crash", "odd"],
         "pc": 7,

@@ -30,6 +30,8 @@ ALLOWED: dict[str, set[str]] = {
     "control": {"errors", "clock", "identity", "core", "store", "runtime", "ops", "service"},
     "http": {"errors", "clock", "core", "store", "runtime", "ops", "service", "observe"},
     "daemon": {"errors", "core"},
+    # daemon/client.py re-exports daemon.control.client for the programs that send events.
+    "client": {"control"},
     "examples": {"core", "handlers"},
     "main": {
         "errors",
@@ -185,8 +187,22 @@ class TestRules:
 
     def test_ctl_imports_only_protocol(self) -> None:
         """workflowctl only builds requests and prints responses (and checks it is ours)."""
-        thin = {"daemon.control.protocol", "daemon.control", "daemon.identity"}
+        thin = {
+            "daemon.control.protocol",
+            "daemon.control.client",
+            "daemon.control.render",
+            "daemon.control",
+            "daemon.identity",
+        }
         assert our_imports("daemon.control.ctl") <= thin
+
+    def test_client_imports_only_protocol(self) -> None:
+        """The Python client speaks the protocol and nothing else of the daemon's."""
+        assert our_imports("daemon.control.client") <= {"daemon.control.protocol", "daemon.control"}
+        client = {"daemon.control.client", "daemon.control.protocol", "daemon.control"}
+        assert our_imports("daemon.control.aclient") <= client
+        assert our_imports("daemon.client") <= client | {"daemon.control.aclient"}
+        assert our_imports("daemon.control.render") <= set()
 
     def test_actor_is_private_to_the_runtime(self) -> None:
         """Only the runtime layer knows the actor."""

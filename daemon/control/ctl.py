@@ -1,29 +1,36 @@
-"""workflowctl: start, signal and inspect workflows through workflowd's control socket."""
+"""workflowctl: start, signal, wait for and inspect workflows through workflowd's socket."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
+import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
-import tomllib
-from collections.abc import Iterator
-from datetime import datetime
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from daemon.control import protocol as proto
+from daemon.control import render
+from daemon.control.client import Client, ClientError, NoSocket, Unreachable, find_socket
 from daemon.identity import refuse_foreign
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-DEFAULT_SOCKET = "state/workflowd.sock"  # the [daemon] socket default of config.toml
+#: `wait`: a workflow ended Cancelled, or the wait timed out (as coreutils' `timeout` exits).
+EXIT_CANCELLED, EXIT_TIMEOUT = 4, 124
 #: Seconds a command waits for its answer unless --timeout says otherwise (`logs -f` waits on).
 DEFAULT_TIMEOUT_S = 60.0
+#: How long `start` lets a new workflow run before it says what the workflow waits for.
+SETTLE_S = 2.0
+#: The statuses `list --status` takes (any case).
+STATUSES = ("Resuming", "Waiting", "Finished", "Failed", "Cancelled")
+#: The most rows one `list` asks for.
+MAX_LIMIT = 1000
 #: `workflowctl schedule ACTION` -> the op it sends.
 SCHEDULE_OPS = {
     "list": "schedules",
@@ -32,76 +39,52 @@ SCHEDULE_OPS = {
     "resume": "schedule_resume",
     "trigger": "schedule_trigger",
 }
-
-
-class Unreachable(Exception):
-    """The daemon could not be reached, or hung up without answering."""
-
-
-class NoSocket(Exception):
-    """The command line, environment and config file do not say where the socket is."""
+#: How bad each end of a waited-for workflow is: with several, the worst sets the exit status.
+WAIT_EXITS = {"Finished": EXIT_OK, "Cancelled": EXIT_CANCELLED, "Failed": EXIT_ERROR}
+_SEVERITY = [EXIT_OK, EXIT_CANCELLED, EXIT_ERROR, EXIT_TIMEOUT]
 
 
 class NoSvg(Exception):
     """Graphviz's `dot` is missing or failed, so no SVG can be drawn."""
 
 
-class Connection:
-    """A blocking JSON-lines connection to the daemon, with a deadline for its answer.
+def version() -> str:
+    """Return the installed workflowd version."""
+    try:
+        return importlib.metadata.version("workflowd")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
 
-    `timeout` (None: none) bounds connecting, sending and reading; with `first_only`, it bounds
-    only the wait for the first response line (`logs -f`: records may then pause for hours).
-    """
 
-    def __init__(self, path: Path, timeout: float | None = None, first_only: bool = False) -> None:
-        self.timeout, self.first_only = timeout, first_only
-        self.deadline = None if timeout is None else time.monotonic() + timeout
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self._arm()
-            self.sock.connect(str(path))
-        except OSError as e:
-            self.sock.close()
-            raise self._unreachable(e) from None
-        self.lines = self.sock.makefile("rb")
+def status_name(text: str) -> str:
+    """Parse --status: one of the real statuses, in any case."""
+    for s in STATUSES:
+        if s.lower() == text.lower():
+            return s
+    raise argparse.ArgumentTypeError(f"no status {text!r}; one of: {', '.join(STATUSES)}")
 
-    def _arm(self) -> None:
-        """Give the next socket call what is left of the deadline."""
-        if self.deadline is not None:
-            self.sock.settimeout(max(self.deadline - time.monotonic(), 1e-3))
 
-    def _unreachable(self, e: OSError) -> Unreachable:
-        if isinstance(e, TimeoutError):
-            return Unreachable(f"no answer within {self.timeout:g} s (--timeout)")
-        return Unreachable(e.strerror or str(e))
+def limit(text: str) -> int:
+    """Parse list --limit: 1 to MAX_LIMIT."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of rows, not {text!r}") from None
+    if not 1 <= value <= MAX_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be 1 to {MAX_LIMIT}, not {value}")
+    return value
 
-    def send(self, request: proto.AnyRequest) -> None:
-        """Write one request."""
-        try:
-            self._arm()
-            self.sock.sendall(proto.encode(request))
-        except BrokenPipeError:
-            pass  # the daemon refused us at once; its reply, still to be read, says why
-        except OSError as e:
-            raise self._unreachable(e) from None
 
-    def responses(self) -> Iterator[dict[str, Any]]:
-        """Yield responses until the daemon closes the connection."""
-        try:
-            while True:
-                self._arm()
-                line = self.lines.readline()
-                if not line:
-                    break
-                if self.first_only and self.deadline is not None:
-                    self.deadline = None
-                    self.sock.settimeout(None)
-                yield proto.decode_response(line)
-        except OSError as e:
-            raise self._unreachable(e) from None
-        except proto.ProtocolError as e:
-            raise Unreachable(e.message) from None
-        raise Unreachable("workflowd closed the connection")
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|min|h|d|w)?")
+_UNIT_S = {None: 1, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def duration(text: str) -> float:
+    """Parse --since: `90`, `30s`, `15m`, `2h`, `1d`, `1w` (seconds ago)."""
+    m = _DURATION.fullmatch(text.strip())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"expected a duration like 30s, 15m, 2h, 1d; not {text!r}")
+    return float(m.group(1)) * _UNIT_S[m.group(2)]
 
 
 def seconds(text: str) -> float:
@@ -125,11 +108,18 @@ def deadline_seconds(text: str) -> float:
 
 def answer_timeout(args: argparse.Namespace) -> float | None:
     """Return how long to wait for the daemon's answer: --timeout, else the command's default."""
+    if waits(args):
+        return None  # --timeout is the wait's own; the client adds a grace for the answer
     if args.timeout is not None:
         return args.timeout or None  # 0: wait forever
     if args.command == "logs" and args.follow:
         return None
     return DEFAULT_TIMEOUT_S
+
+
+def waits(args: argparse.Namespace) -> bool:
+    """Tell whether the command waits for workflows to end (`wait`, `start --wait`)."""
+    return args.command == "wait" or (args.command == "start" and bool(args.wait))
 
 
 def json_value(text: str) -> Any:
@@ -171,7 +161,9 @@ def add_global_options(parser: argparse.ArgumentParser, **defaults: Any) -> None
     """Add --socket, --config, --json and --timeout with the given defaults."""
     parser.add_argument("--socket", default=defaults["socket"], help="the control socket's path")
     parser.add_argument(
-        "--config", default=defaults["config"], help="read [daemon] socket here (./config.toml)"
+        "--config",
+        default=defaults["config"],
+        help="read [daemon] socket of this file (else $WORKFLOWD_CONFIG, ./config.toml)",
     )
     parser.add_argument("--json", action="store_true", default=defaults["json"], help="print JSON")
     if "timeout" not in defaults:  # `start --timeout` is the workflow's deadline instead
@@ -182,14 +174,16 @@ def add_global_options(parser: argparse.ArgumentParser, **defaults: Any) -> None
         default=defaults["timeout"],
         metavar="S",
         help=f"give up (exit 3) after S seconds without an answer; 0 waits forever "
-        f"(default {DEFAULT_TIMEOUT_S:g}; `logs -f`: no limit, S bounds its first record)",
+        f"(default {DEFAULT_TIMEOUT_S:g}; `logs -f`: no limit, S bounds its first record; "
+        "`wait`, `start --wait`: exit 124 if the workflows have not ended after S seconds)",
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the command-line parser."""
-    parser = argparse.ArgumentParser(prog="workflowctl", description=__doc__)
-    add_global_options(parser, socket=None, config="config.toml", json=False, timeout=None)
+    parser = argparse.ArgumentParser(prog="workflowctl", description=__doc__, epilog=SOCKET_HELP)
+    parser.add_argument("--version", action="version", version=f"workflowctl {version()}")
+    add_global_options(parser, socket=None, config=None, json=False, timeout=None)
     # Global options also work after the command; SUPPRESS keeps the command's parser from
     # overwriting a value given before it.
     common = argparse.ArgumentParser(add_help=False)
@@ -211,9 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
         return (within or sub).add_parser(name, help=help, description=help, parents=parents, **kw)
 
     command("ping", "check that workflowd answers; show its version and workflow counts")
-    # After `start`, --timeout is the workflow's deadline; the answer timeout goes before it.
-    p = command("start", "start a workflow", parents=[no_timeout])
-    p.add_argument("workflow", metavar="NAME")
+    # After `start`, --timeout is the workflow's deadline: the answer's (and --wait's) limit
+    # goes before the command, `workflowctl --timeout S start ...`.
+    p = command(
+        "start",
+        "start a workflow; print what it waits for (or, with --wait, its end)",
+        parents=[no_timeout],
+    )
+    complete(p.add_argument("workflow", metavar="NAME"), type_names)
     p.add_argument("--id", dest="workflow_id", help="the workflow id (default: generated)")
     p.add_argument("--input", type=json_object, help="the input, a JSON object")
     p.add_argument(
@@ -224,26 +223,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="cancel the workflow (error `deadline passed`) S seconds after it starts; "
         "`workflowctl --timeout S start ...` bounds the wait for the answer instead",
     )
+    p.add_argument("--wait", action="store_true", help="wait until it ends, as `wait` does")
+    p = command("wait", "wait until workflows end; print each one's status and result")
+    complete(p.add_argument("workflow_ids", metavar="ID", nargs="+"), workflow_ids)
+    p.add_argument("--any", action="store_true", help="return when the first one ends")
+    command("types", "list the workflow types with their input fields and defaults")
+    p = command("completion", "print a shell completion script (bash, zsh or fish)")
+    p.add_argument("shell", choices=("bash", "zsh", "fish"))
     p = command("send", "send an event to a waiting workflow and print the handler's reply")
-    p.add_argument("workflow_id", metavar="ID")
+    complete(p.add_argument("workflow_id", metavar="ID"), workflow_ids)
     p.add_argument("event", metavar="EVENT")
     p.add_argument("--input", type=json_value, help="the event's input, any JSON")
     p.add_argument("--no-wait", dest="wait", action="store_false", help="return once queued")
     p.add_argument("--thread", dest="thread_id", help="the waiting thread")
     p.add_argument("--pc", type=int, help="the wait's pc (rejects a stale event)")
-    p = command("list", "list workflows")
-    p.add_argument("--status")
-    p.add_argument("--workflow", metavar="NAME")
-    p.add_argument("--limit", type=int, default=100)
+    p = command("list", "list workflows, most recently changed first")
+    p.add_argument("--status", type=status_name, help=f"one of {', '.join(STATUSES)}")
+    complete(p.add_argument("--workflow", metavar="NAME"), type_names)
+    p.add_argument("--limit", type=limit, default=100, help=f"rows, 1 to {MAX_LIMIT} (100)")
+    p.add_argument("--since", type=duration, metavar="AGE", help="changed within AGE: 1d, 2h")
     p.add_argument("--parent", metavar="ID", help="only the children this workflow started")
-    for name, help in [("show", "show a workflow"), ("cancel", "cancel a workflow")]:
-        command(name, help).add_argument("workflow_id", metavar="ID")
+    for name, help in [("show", "describe a workflow"), ("cancel", "cancel a workflow")]:
+        complete(command(name, help).add_argument("workflow_id", metavar="ID"), workflow_ids)
     p = command("history", "show a workflow's history")
-    p.add_argument("workflow_id", metavar="ID")
+    complete(p.add_argument("workflow_id", metavar="ID"), workflow_ids)
     p.add_argument("--limit", type=int, default=1000)
     p = command("logs", "print the daemon's recent log records")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new records")
-    p.add_argument("--workflow", dest="workflow_id", metavar="ID", help="only this workflow")
+    only = p.add_argument("--workflow", dest="workflow_id", metavar="ID", help="only this workflow")
+    complete(only, workflow_ids)
     command("reload", "load new workflow code and settings; refused if live workflows do not fit")
     p = command("backup", "copy the database, consistently, to NAME.db in [store] backup_dir")
     p.add_argument("name", metavar="NAME", help="a file name, no '/' (e.g. nightly-2026-12-01)")
@@ -270,54 +278,62 @@ def add_schedule_commands(command: Any) -> None:
 def add_repair_commands(command: Any) -> None:
     """Add the commands that draw, check and repair workflows."""
     p = command("graph", "draw a workflow type's definition; with ID, where that workflow is")
-    p.add_argument("workflow", metavar="NAME")
-    p.add_argument("workflow_id", metavar="ID", nargs="?")
+    complete(p.add_argument("workflow", metavar="NAME"), type_names)
+    complete(p.add_argument("workflow_id", metavar="ID", nargs="?"), workflow_ids)
     formats = ("mermaid", "dot", "svg")
     p.add_argument("--format", choices=formats, default="mermaid", help="svg needs Graphviz")
     p = command("lint", "check a workflow type's definition; exit 1 if it has errors")
-    p.add_argument("workflow", metavar="NAME")
+    complete(p.add_argument("workflow", metavar="NAME"), type_names)
     p = command("goto", "move a thread of a waiting or failed workflow to a statement")
-    p.add_argument("workflow_id", metavar="ID")
+    complete(p.add_argument("workflow_id", metavar="ID"), workflow_ids)
     p.add_argument("thread_id", metavar="THREAD", help="_main_, or a Go thread's id")
     p.add_argument("statement", metavar="STATEMENT", help="a step, wait, event, loop or branch")
     p = command("edit", "set data fields of a waiting or failed workflow")
-    p.add_argument("workflow_id", metavar="ID")
+    complete(p.add_argument("workflow_id", metavar="ID"), workflow_ids)
     p.add_argument("--set", metavar="FIELD=JSON", type=field_value, action=SetFields, required=True)
     for name, help in [
         ("undo", "revert the last goto or edit of a workflow"),
         ("retry", "resume a failed workflow from its failing step"),
         ("resume", "let a workflow held by `workflowd --hold` run"),
     ]:
-        command(name, help).add_argument("workflow_id", metavar="ID")
+        complete(command(name, help).add_argument("workflow_id", metavar="ID"), workflow_ids)
     command("resume-all", "end the hold of `workflowd --hold`: every workflow runs")
     command("dashboard", "print the dashboard's address, with its access token")
     p = command("gc", "delete finished workflows older than the retention now")
     p.add_argument("--keep-days", type=float, help="default: [store] keep_finished_days")
 
 
-def socket_path(args: argparse.Namespace) -> Path:
-    """Return --socket, else $WORKFLOWD_SOCKET, else [daemon] socket of the config file."""
-    if args.socket:
-        return Path(args.socket)
-    if os.environ.get("WORKFLOWD_SOCKET"):
-        return Path(os.environ["WORKFLOWD_SOCKET"])
-    config = Path(args.config)
-    hint = "pass --socket PATH or set WORKFLOWD_SOCKET"
+SOCKET_HELP = (
+    "The socket is --socket, else $WORKFLOWD_SOCKET, else [daemon] socket of --config, of "
+    "$WORKFLOWD_CONFIG or of ./config.toml, else /run/workflowd/workflowd.sock if it exists."
+)
+
+
+def complete(action: argparse.Action, completer: Callable[..., list[str]]) -> None:
+    """Give an argument its shell completer (argcomplete reads the attribute)."""
+    action.completer = completer  # type: ignore[attr-defined]
+
+
+def _ask(args: argparse.Namespace, op: str, **fields: Any) -> Any:
+    """Ask the daemon, briefly, for completions; nothing if it does not answer."""
     try:
-        table = tomllib.loads(config.read_text()).get("daemon", {})
-    except FileNotFoundError:
-        raise NoSocket(f"no {config}; {hint}") from None
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise NoSocket(f"cannot read {config}: {e}") from None
-    value = table.get("socket", DEFAULT_SOCKET) if isinstance(table, dict) else None
-    if not isinstance(value, str) or not value:
-        raise NoSocket(f"{config}: [daemon] socket must be a path")
-    if value.startswith("$"):  # $RUNTIME_DIRECTORY/..., as the daemon's config allows
-        var, _, rest = value[1:].partition("/")
-        if not os.environ.get(var):
-            raise NoSocket(f"{config}: the socket is under ${var}; {hint}")
-        return Path(os.environ[var].split(":")[0]) / rest
-    return Path(os.path.normpath(config.parent / value))
+        with Client(args.socket, args.config, timeout=1.0) as c:
+            return c.call(op, **fields)
+    except ClientError:
+        return []
+
+
+def workflow_ids(prefix: str, parsed_args: argparse.Namespace, **_: Any) -> list[str]:
+    """Complete workflow ids from the daemon's most recent ones."""
+    rows = _ask(parsed_args, "list", limit=MAX_LIMIT)
+    ids = [r.get("workflow_id") for r in rows if isinstance(r, dict)]
+    return [i for i in ids if isinstance(i, str) and i.startswith(prefix)]
+
+
+def type_names(prefix: str, parsed_args: argparse.Namespace, **_: Any) -> list[str]:
+    """Complete workflow type names from the daemon."""
+    names = [r.get("workflow") for r in _ask(parsed_args, "types") if isinstance(r, dict)]
+    return [n for n in names if isinstance(n, str) and n.startswith(prefix)]
 
 
 def build_request(args: argparse.Namespace) -> proto.AnyRequest:
@@ -328,186 +344,9 @@ def build_request(args: argparse.Namespace) -> proto.AnyRequest:
     return cls(id=1, **fields)
 
 
-def compact(value: Any) -> str:
-    """Return one-line JSON."""
-    return proto.encode(value).decode().rstrip()
-
-
-def pretty(value: Any) -> str:
-    """Return indented JSON."""
-    return msgspec.json.format(proto.encode(value), indent=2).decode().rstrip()
-
-
-def cell(value: Any, column: str = "") -> str:
-    """Return a value as one table cell; times (`at`, `*_at`) in seconds become local time."""
-    if value is None:
-        return ""
-    is_time = column == "at" or column.endswith("_at")
-    if is_time and isinstance(value, int | float) and not isinstance(value, bool):
-        return datetime.fromtimestamp(value).strftime("%Y-%m-%d %H:%M:%S")
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return ", ".join(value)
-    text = value if isinstance(value, str) else compact(value)
-    # A command's output (history's command_run) may hold escape sequences: never raw.
-    return text.replace("\n", "\\n").translate(_CONTROLS)
-
-
-#: C0 and C1 control characters (and DEL) as escapes, for text printed into a terminal.
-_CONTROLS = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
-
-
-def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    """Return rows as an aligned text table with a header."""
-    grid = [[c.upper() for c in columns]] + [[cell(r.get(c), c) for c in columns] for r in rows]
-    widths = [max(len(line[i]) for line in grid) for i in range(len(columns))]
-    return "\n".join(
-        "  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip() for line in grid
-    )
-
-
-def log_text(record: dict[str, Any]) -> str:
-    """Return a log record as one human-readable line."""
-    rest = {k: v for k, v in record.items() if k not in ("timestamp", "level", "event")}
-    head = f"{record.get('timestamp', '')} {record.get('level', ''):<7} {record.get('event', '')}"
-    return " ".join([head.strip(), *(f"{k}={cell(v)}" for k, v in rest.items())])
-
-
-def show(command: str, result: Any) -> str:
-    """Return a command's result as text for people."""
-    match command, result:
-        case "ping", {"version": version, "workflows": dict(counts)}:
-            summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no workflows"
-            return f"workflowd {version}: {summary}"
-        case "start" | "cancel", {"workflow_id": wid, "status": status}:
-            return f"{wid}: {status}"
-        case "list", list(rows):
-            columns = ["workflow_id", "workflow", "status", "updated_at", "waiting_for"]
-            return table(rows, columns) if rows else "no workflows"
-        case "history", list(rows):
-            # A repair's before-image (for undo) is too big for a table; --json shows it.
-            rows = [
-                {k: v for k, v in r.items() if k != "undo"} if isinstance(r, dict) else r
-                for r in rows
-            ]
-            columns = list(dict.fromkeys(k for r in rows if isinstance(r, dict) for k in r))
-            return table(rows, columns) if rows else "no history"
-        case "send", str(text):
-            return text
-        case "dashboard", {"url": str(url), "socket": str(path)}:
-            return f"{url}  (served on the Unix socket {path})"
-        case "dashboard", {"url": str(url)}:
-            return url
-        case "graph", str(text):
-            return text.rstrip("\n")
-        case "lint", list(rows):
-            return table(rows, ["level", "code", "statement", "message"]) if rows else "no findings"
-        case "reload", {"reloaded": bool()}:
-            return reload_text(result)
-        case "backup", {"path": str(path), "bytes": int(size), "deleted": list(deleted)}:
-            pruned = f"; deleted the oldest: {', '.join(map(str, deleted))}" if deleted else ""
-            return f"backed up to {path} ({size} bytes){pruned}"
-        case "schedule list", list(rows):
-            return schedules_table(rows) if rows else "no schedules"
-        case "schedule show", {"name": str(), "fires": list()}:
-            return schedule_text(result)
-        case "schedule pause" | "schedule resume", {"name": name, "paused": bool(paused)}:
-            return f"{name}: {'paused' if paused else 'resumed'}"
-        case "schedule trigger", {"workflow_id": wid, "status": status}:
-            return f"{wid}: {status}"
-    return pretty(result)
-
-
-def schedules_table(rows: list[dict[str, Any]]) -> str:
-    """Return `schedule list` rows as a table (times in local time)."""
-    shown = [
-        {
-            "name": r.get("name"),
-            "workflow": r.get("workflow"),
-            "spec": r.get("spec"),
-            "tz": r.get("tz"),
-            "next": cell(r.get("next_fire_at"), "next_fire_at"),
-            "last": cell(r.get("last_fire_at"), "last_fire_at"),
-            "last_result": r.get("last_status") or "",
-            "paused": "yes" if r.get("paused") else "no",
-        }
-        for r in rows
-    ]
-    return table(shown, list(shown[0]))
-
-
-def schedule_text(result: dict[str, Any]) -> str:
-    """Return `schedule show`: its settings and state, then its fires oldest first."""
-    last = result.get("last_workflow_id")
-    lines = [
-        f"name:      {result['name']}",
-        f"workflow:  {result.get('workflow')}  input: {compact(result.get('input') or {})}",
-        f"spec:      {result.get('spec')} ({result.get('tz')})",
-        f"catchup:   {result.get('catchup')} (window {result.get('catchup_window_s')} s)",
-        f"overlap:   {result.get('overlap')}  jitter: {result.get('jitter_s')} s",
-        f"next fire: {cell(result.get('next_fire_at'), 'at') or '-'}",
-        f"last fire: {cell(result.get('last_fire_at'), 'at') or '-'}"
-        + (f"  {last} ({result.get('last_status') or 'deleted'})" if last else ""),
-        f"paused:    {'yes' if result.get('paused') else 'no'}",
-    ]
-    if result.get("buffered_at") is not None:
-        lines.append(f"buffered:  {cell(result['buffered_at'], 'at')}")
-    fires = result["fires"]
-    columns = ["at", "kind", "nominal_at", "workflow_id", "reason", "count"]
-    return "\n".join([*lines, "", table(fires, columns) if fires else "no fires yet"])
-
-
-def reload_text(result: dict[str, Any]) -> str:
-    """Return a reload's outcome, one blocking workflow per line."""
-    if result["reloaded"]:
-        lines = [f"reloaded: {cell(result.get('workflows', []))}"]
-        if result.get("needs_restart"):
-            lines.append(f"needs a restart: {cell(result['needs_restart'])}")
-        held = result.get("incompatible") or []
-        if held:
-            count = result.get("incompatible_count", len(held))
-            lines.append(f"still held, {count} workflow(s) do not fit the new code:")
-            for h in held:
-                lines.append(
-                    f"  {cell(h.get('workflow_id'))} ({cell(h.get('workflow'))}): "
-                    f"{cell(h.get('reason'))}"
-                )
-        return "\n".join(lines)
-    lines = [f"reload refused: {result.get('error', '')}; still running the old code"]
-    for b in result.get("blocked", []):
-        lines.append(f"  {b.get('workflow_id')} ({b.get('workflow')}): {cell(b.get('reasons'))}")
-    return "\n".join(lines)
-
-
-def run(args: argparse.Namespace, path: Path) -> int:
-    """Send the request, print the response(s) and return the exit code."""
-    svg = args.command == "graph" and args.format == "svg"
-    if svg:
-        if shutil.which("dot") is None:
-            raise NoSvg("--format svg needs Graphviz's `dot` (install graphviz); try --format dot")
-        args.format = "dot"
-    follow = args.command == "logs" and args.follow
-    conn = Connection(path, answer_timeout(args), first_only=follow)
-    conn.send(build_request(args))
-    for response in conn.responses():
-        if not response.get("ok"):
-            err = response.get("error") or {}
-            print(f"error: {err.get('code', '?')}: {err.get('message', '')}", file=sys.stderr)
-            return EXIT_ERROR
-        if "log" in response:
-            record = response["log"]
-            print(compact(record) if args.json else log_text(record), flush=True)
-            continue
-        if args.command != "logs":  # the end marker of `logs` is not worth printing
-            result = response.get("result")
-            if svg:
-                result = to_svg(str(result))
-            print(compact(result) if args.json else show(command_of(args), result))
-            if args.command == "lint" and any(f.get("level") == "error" for f in result or []):
-                return EXIT_ERROR
-            if args.command == "reload" and not (result or {}).get("reloaded"):
-                return EXIT_ERROR
-        return EXIT_OK
-    return EXIT_OK  # not reached: responses() raises when the daemon hangs up
+def fields_of(req: proto.AnyRequest) -> dict[str, Any]:
+    """Return a request's fields as the client sends them (op and id are its own)."""
+    return {k: v for k, v in msgspec.structs.asdict(req).items() if k != "id"}
 
 
 def command_of(args: argparse.Namespace) -> str:
@@ -525,24 +364,149 @@ def to_svg(dot: str) -> str:
     return done.stdout
 
 
+class Output:
+    """Prints results: exact JSON with --json, else text for people (coloured on a terminal)."""
+
+    def __init__(self, as_json: bool, style: render.Style) -> None:
+        self.json, self.style = as_json, style
+
+    def result(self, command: str, result: Any) -> None:
+        """Print one command's result."""
+        print(render.compact(result) if self.json else render.show(command, result, self.style))
+
+
+def run(args: argparse.Namespace, client: Client, out: Output) -> int:
+    """Send the command's request(s), print the answer and return the exit code."""
+    match args.command:
+        case "wait":
+            return wait(client, out, args.workflow_ids, any=args.any, timeout=args.timeout)
+        case "start":
+            return start(args, client, out)
+        case "list":
+            return list_workflows(args, client, out)
+        case "logs":
+            return logs(args, client, out)
+    svg = args.command == "graph" and args.format == "svg"
+    if svg:
+        if shutil.which("dot") is None:
+            raise NoSvg("--format svg needs Graphviz's `dot` (install graphviz); try --format dot")
+        args.format = "dot"
+    req = build_request(args)
+    result = client.call(req.__struct_config__.tag, **fields_of(req))  # type: ignore[arg-type]
+    if svg:
+        result = to_svg(str(result))
+    out.result(command_of(args), result)
+    if args.command == "lint" and any(f.get("level") == "error" for f in result or []):
+        return EXIT_ERROR
+    if args.command == "reload" and not (result or {}).get("reloaded"):
+        return EXIT_ERROR
+    return EXIT_OK
+
+
+def start(args: argparse.Namespace, client: Client, out: Output) -> int:
+    """Start a workflow; say what it waits for once it stopped moving, or wait for its end."""
+    req = build_request(args)
+    result = client.call("start", **fields_of(req))
+    wid = result["workflow_id"]
+    if args.wait:
+        return wait(client, out, [wid], any=False, timeout=args.timeout)
+    if out.json:
+        print(render.compact(result))
+        return EXIT_OK
+    client.call("wait", workflow_ids=[wid], until="blocked", timeout_s=SETTLE_S)
+    shown = client.call("show", workflow_id=wid)
+    print(render.started_text(result, shown, out.style))
+    return EXIT_OK
+
+
+def wait(client: Client, out: Output, ids: list[str], *, any: bool, timeout: float | None) -> int:
+    """Wait for workflows to end; exit 0 Finished, 1 Failed, 4 Cancelled, 124 timed out."""
+    limit = timeout or None  # 0: no limit, as everywhere
+    grace = None if limit is None else limit + 10.0
+    fields = {"workflow_ids": ids, "any": any or None, "timeout_s": limit}
+    result = client.call("wait", timeout=grace or float("inf"), **fields)
+    print(render.compact(result) if out.json else render.wait_result(result, out.style, any=any))
+    if result.get("timed_out"):
+        return EXIT_TIMEOUT
+    codes = [WAIT_EXITS.get(w.get("status"), EXIT_ERROR) for w in result["workflows"] if w["ended"]]
+    return max(codes, key=_SEVERITY.index, default=EXIT_OK)
+
+
+def list_workflows(args: argparse.Namespace, client: Client, out: Output) -> int:
+    """List workflows; a list cut at --limit says so (on stderr, so pipes get rows only)."""
+    ask = args.limit + 1 if args.limit < MAX_LIMIT else args.limit  # one more: is it cut?
+    rows = client.call("list", status=args.status, workflow=args.workflow, limit=ask)
+    if args.since is not None:  # rows come newest first: the recent ones are a prefix
+        cutoff = time.time() - args.since
+        rows = [r for r in rows if (r.get("updated_at") or 0) >= cutoff]
+    cut = len(rows) > args.limit or len(rows) == MAX_LIMIT
+    rows = rows[: args.limit]
+    out.result("list", rows)
+    if cut and not out.json:  # --json prints the rows exactly; the count is for people
+        total = ""
+        if args.workflow is None and args.since is None:
+            counts = client.call("ping").get("workflows", {})
+            n = counts.get(args.status, 0) if args.status else sum(counts.values())
+            total = f" of {n}" if n > len(rows) else ""
+        print(f"… {len(rows)}{total} shown; --limit or --cursor for more", file=sys.stderr)
+    return EXIT_OK
+
+
+def logs(args: argparse.Namespace, client: Client, out: Output) -> int:
+    """Print log records; `--workflow ID` first checks that the workflow exists."""
+    if args.workflow_id is not None:
+        client.call("show", workflow_id=args.workflow_id)  # NotFound: exit 1, says so
+    for record in client.logs(follow=args.follow, workflow_id=args.workflow_id):
+        print(render.compact(record) if out.json else render.log_text(record), flush=True)
+    return EXIT_OK
+
+
+def completion(shell: str) -> str:
+    """Return the completion script for `shell` (argcomplete asks workflowctl as you type)."""
+    import argcomplete.shell_integration  # only this command and completions need it
+
+    return str(argcomplete.shell_integration.shellcode(["workflowctl"], shell=shell))
+
+
+def colour_wanted() -> bool:
+    """Colour only on a terminal, and never with NO_COLOR set (https://no-color.org)."""
+    return (
+        sys.stdout.isatty() and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run workflowctl and exit with its status."""
     refused = refuse_foreign("workflowctl")
     if refused is not None:
         sys.exit(refused)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if "_ARGCOMPLETE" in os.environ:  # the shell asks for completions: answer and exit
+        import argcomplete  # imported only when completing: it costs start-up time
+
+        argcomplete.autocomplete(parser)
+    args = parser.parse_args(argv)
+    if args.command == "completion":
+        print(completion(args.shell), end="")
+        sys.exit(EXIT_OK)
+    path = None
     try:
-        path = socket_path(args)
-        code = run(args, path)
+        path = find_socket(args.socket, args.config)
+        with Client(path, timeout=answer_timeout(args)) as client:
+            code = run(args, client, Output(args.json, render.Style(colour_wanted())))
     except NoSocket as e:
-        print(f"workflowctl: {e}", file=sys.stderr)
+        print(f"workflowctl: {render.escape(e.message)}", file=sys.stderr)
         code = EXIT_USAGE
     except NoSvg as e:
         print(f"workflowctl: {e}", file=sys.stderr)
         code = EXIT_ERROR
     except Unreachable as e:
-        print(f"workflowctl: cannot reach workflowd at {path}: {e}", file=sys.stderr)
+        why = f"{e.message} (--timeout)" if e.timed_out else e.message
+        print(f"workflowctl: cannot reach workflowd at {path}: {why}", file=sys.stderr)
         code = EXIT_UNREACHABLE
+    except ClientError as e:
+        print(f"error: {e.code}: {render.escape(e.message, lines=False)}", file=sys.stderr)
+        code = EXIT_ERROR
     except KeyboardInterrupt:
         code = EXIT_INTERRUPTED
     except BrokenPipeError:  # our reader went away (`workflowctl logs | head`)

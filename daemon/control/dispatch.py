@@ -14,6 +14,7 @@ from daemon.errors import Unavailable
 #: Writes one extra response line (a streamed log record) before the final answer.
 Reply = Callable[[dict[str, Any]], Awaitable[None]]
 Records = list[dict[str, Any]]  # `list` is shadowed inside Backend
+Ids = list[str]
 
 
 class Backend(Protocol):
@@ -54,6 +55,15 @@ class Backend(Protocol):
     def subscribe_logs(
         self, workflow_id: str | None = None, *, follow: bool = True
     ) -> AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]: ...
+    async def wait(
+        self,
+        workflow_ids: Ids,
+        *,
+        any: bool = False,
+        timeout_s: float | None = None,
+        until: str = "ended",
+    ) -> dict[str, Any]: ...
+    def types(self) -> Records: ...
 
 
 class RepairTools(Protocol):
@@ -169,6 +179,12 @@ class Dispatcher:
                 if self._dashboard is None:
                     raise Unavailable("this server does not offer a dashboard")
                 return self._dashboard()
+            case proto.Wait():
+                return await b.wait(
+                    req.workflow_ids, any=req.any, timeout_s=req.timeout_s, until=req.until
+                )
+            case proto.Types():
+                return b.types()
             case _:
                 assert_never(req)
 

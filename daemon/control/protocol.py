@@ -221,12 +221,30 @@ class Dashboard(Request, tag="dashboard"):
     """Return the dashboard's address with its access token (`unavailable` when it is off)."""
 
 
+# -- waiting for workflows to end, and the registered types (issue 17) -------------------------
+
+
+class Wait(Request, tag="wait"):
+    """Answer once the workflows end (all, or the first with `any`), or after `timeout_s`."""
+
+    workflow_ids: Annotated[list[str], msgspec.Meta(min_length=1, max_length=1000)]
+    any: bool = False
+    timeout_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    #: "blocked": answer as soon as each workflow has stopped moving (it waits, is held or ended).
+    until: Literal["ended", "blocked"] = "ended"
+
+
+class Types(Request, tag="types"):
+    """List the registered workflow types with their input fields and defaults."""
+
+
 ScheduleRequest = Schedules | ScheduleShow | SchedulePause | ScheduleResume | ScheduleTrigger
 AnyRequest = (
     Ping | Start | Send | List | Show | History | Cancel | Logs | Reload | Backup
     | Graph | Lint | Goto | Edit | Undo | Retry | Resume | ResumeAll | Gc
     | Schedules | ScheduleShow | SchedulePause | ScheduleResume | ScheduleTrigger
     | Dashboard
+    | Wait | Types
 )  # fmt: skip
 #: Each op's request type.
 REQUESTS: dict[str, type[AnyRequest]] = {t.__struct_config__.tag: t for t in AnyRequest.__args__}

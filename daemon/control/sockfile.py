@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import grp
 import os
 import socket
@@ -102,13 +103,34 @@ def unlink_if_same(path: Path, created: os.stat_result) -> None:
             os.unlink(path)
 
 
-def peer_groups(pid: int, uid: int, gid: int) -> set[int]:
-    """Return a peer process's groups: `gid` and the `Groups:` of its /proc/PID/status.
+#: SO_PEERGROUPS (Linux 4.13): the peer's groups as they were at connect(); Python names no
+#: constant for it.
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 
-    Read from the process, not the user database, so a client that dropped its groups
-    (setgroups, `setpriv --clear-groups`) is not counted in them. If the process is gone, or
-    `pid` now names a process of another uid, only `gid` counts.
+
+def peer_groups(sock: socket.socket, pid: int, uid: int, gid: int) -> set[int]:
+    """Return a connected peer's groups: `gid` and its supplementary groups.
+
+    Taken from the peer process, never from the user database, so a client that dropped its
+    groups (setgroups, `setpriv --clear-groups`) is not counted in them: first from the socket
+    (SO_PEERGROUPS, which also works when the service cannot see other users' processes,
+    ProtectProc=invisible), else from the `Groups:` of /proc/PID/status.
     """
+    size = 256
+    while size <= 65536:
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * size)
+        except OSError as e:
+            if e.errno == errno.ERANGE:  # more groups than the buffer holds
+                size *= 16
+                continue
+            break  # an old kernel: ask /proc
+        return {gid, *struct.unpack(f"{len(raw) // 4}I", raw)}
+    return _proc_groups(pid, uid, gid)
+
+
+def _proc_groups(pid: int, uid: int, gid: int) -> set[int]:
+    """Return `gid` and the `Groups:` of /proc/PID/status, if that process is still `uid`'s."""
     try:
         with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
             fields = dict(line.partition(":")[::2] for line in f)

@@ -416,5 +416,23 @@ def _find_waiting(state: State, req: CallbackRequest) -> tuple[Thread, WaitEvent
         for ev in t.wait_events:
             if ev.req.name == req.name and ev.status in ARMED:
                 return t, ev
+    if req.thread_id and all(t.id != req.thread_id for t in state.threads):
+        threads = ", ".join(t.id for t in state.threads) or "none"
+        raise CallbackNotFound(
+            f"workflow {state.id} has no thread {req.thread_id!r} (threads: {threads})"
+        )
     where = f"thread {req.thread_id!r}" if req.thread_id else "any thread"
-    raise CallbackNotFound(f"{where} of workflow {state.id} does not wait for {req.name!r}")
+    waited = sorted(
+        {
+            ev.req.name
+            for t in state.threads
+            if not req.thread_id or t.id == req.thread_id
+            if t.status is _WAITING_EVENT
+            for ev in t.wait_events
+            if ev.status in ARMED
+        }
+    )
+    waits = f"it waits for: {', '.join(waited)}" if waited else "it waits for no event now"
+    raise CallbackNotFound(
+        f"{where} of workflow {state.id} does not wait for {req.name!r}; {waits}"
+    )

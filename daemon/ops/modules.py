@@ -73,7 +73,9 @@ def import_fresh(cfg: Config) -> tuple[Registry, dict[str, ModuleType | None]]:
     old = {name: sys.modules.pop(name, None) for name in cfg.workflows.modules}
     name = ""
     try:
-        modules = [_exec_fresh(name) for name in cfg.workflows.modules]
+        modules = []
+        for name in cfg.workflows.modules:  # a loop, not a comprehension: `name` names the culprit
+            modules.append(_exec_fresh(name))
         return collect(modules), old
     except Exception as e:  # any error in user code refuses the reload
         restore(old)

@@ -18,7 +18,14 @@ from structlog.contextvars import bound_contextvars
 from daemon.clock import Clock
 from daemon.core.definition import Definition
 from daemon.core.engine import handle_callback, resume
-from daemon.core.state import FINAL_STATUSES, CheckpointType, EventStatus, WorkflowStatus
+from daemon.core.state import (
+    FINAL_STATUSES,
+    CheckpointType,
+    EventStatus,
+    State,
+    ThreadStatus,
+    WorkflowStatus,
+)
 from daemon.core.statements import NonRetryableError, Retry, Step
 from daemon.core.waits import teardown_ended
 from daemon.core.workflow import Workflow
@@ -233,12 +240,13 @@ class Actor:
         async def checkpoint(kind: CheckpointType) -> None:
             await self._checkpoint(loaded, kind)
 
-        async def step(s: Step) -> None:
-            await self._run_step(s, loaded.wf)
+        async def step_of_thread(step: Step) -> None:
+            thread = _thread_at(loaded.state, step.name, ThreadStatus.EXECUTING)
+            await self._run_step(step, loaded.wf, thread)
 
         with anyio.CancelScope() as self._scope:
             try:
-                await resume(loaded.wf, loaded.state, checkpoint, run_step=step)
+                await resume(loaded.wf, loaded.state, checkpoint, run_step=step_of_thread)
             except StepFailed as e:
                 await self._step_failed(loaded, e)
                 return
@@ -248,6 +256,8 @@ class Actor:
         self._scope = None
         if self._cancelling:
             return
+        if loaded.state.status is WorkflowStatus.FINISHED:
+            self._history.append(("finished", {}))
         await self._settle(loaded)
         if loaded.state.status is WorkflowStatus.FINISHED:
             log.info("workflow_finished")
@@ -288,11 +298,15 @@ class Actor:
                     return
         # The wait was handled, torn down or set up again meanwhile: nothing to record.
 
-    async def _run_step(self, step: Step, data: Workflow) -> None:
+    async def _run_step(self, step: Step, data: Workflow, thread: str | None = None) -> None:
         self.running_step = run = StepRun(step.name)
         outcome = "cancelled"
+
+        def note(kind: str, detail: dict[str, Any]) -> None:
+            self._note(kind, {**detail, "thread": thread} if thread else detail)
+
         try:
-            await run_step(step, limiter=self.limiter, note=self._note, run=run, data=data)
+            await run_step(step, limiter=self.limiter, note=note, run=run, data=data)
             outcome = "done"
         except Exception:
             outcome = "failed"
@@ -316,7 +330,10 @@ class Actor:
             else self.settings.retry_max_attempts
         )
         fatal = isinstance(e.cause, (NonRetryableError, *policy.non_retryable))
-        detail = {"step": e.step, "error": str(e), "attempt": attempt}
+        detail: dict[str, Any] = {"step": e.step, "error": str(e), "attempt": attempt}
+        thread = _thread_at(loaded.state, e.step, ThreadStatus.EXECUTING)
+        if thread:
+            detail["thread"] = thread
         if fatal or (limit and attempt >= limit):
             log.warning("step_failed", step=e.step, error=str(e), attempt=attempt, final=True)
             self._history.append(("step_failed", detail))
@@ -407,7 +424,11 @@ class Actor:
             self._unsaved.append(item)
         if loaded.state.status is WorkflowStatus.RESUMING:
             loaded.next_run_at = None  # go on now, even if a broken wait was due a retry later
-        self._history.append(("callback_received", {"event": event}))
+        received: dict[str, Any] = {"event": event}
+        thread = _thread_at(loaded.state, None, ThreadStatus.RESUMING, callback=event)
+        if thread:
+            received["thread"] = thread
+        self._history.append(("callback_received", received))
         log.info("callback_received", event_name=event, thread=item.req.thread_id or None)
         self.arms.rearm(loaded.wf, loaded.state)
         try:
@@ -492,3 +513,14 @@ def _check_fits(wf: Workflow) -> None:
     except (msgspec.MsgspecError, TypeError, ValueError, RecursionError) as e:
         # RecursionError: data nested too deeply (or holding itself) to be saved.
         raise HandlerRejected(f"the input does not fit {type(wf).__name__}'s fields: {e}") from e
+
+
+def _thread_at(
+    state: State, step: str | None, status: ThreadStatus, *, callback: str | None = None
+) -> str | None:
+    """Return the id of the thread at `step` (or just past `callback`) with `status`, if any."""
+    for t in state.threads:
+        at = step is None or t.cur_step == step
+        if t.status is status and at and callback in (None, t.cur_callback):
+            return t.id
+    return None

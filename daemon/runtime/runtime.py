@@ -17,6 +17,7 @@ import structlog
 
 from daemon.clock import Clock, get_clock, use_clock
 from daemon.core.children import use_children
+from daemon.core.definition import Definition
 from daemon.core.handler import CallbackRequest
 from daemon.core.lint import Finding, lint_workflow
 from daemon.core.state import FINAL_STATUSES, EventStatus, State, WorkflowStatus
@@ -28,6 +29,7 @@ from daemon.runtime.arming import Arms
 from daemon.runtime.cache import Cache, Loaded, Registry
 from daemon.runtime.children import ChildLinks, composition
 from daemon.runtime.deadlines import Deadlines
+from daemon.runtime.endings import Endings, describe_types
 from daemon.runtime.janitor import Janitor
 from daemon.runtime.recovery import Recovery
 from daemon.runtime.scheduler import Hold, Scheduler
@@ -106,6 +108,14 @@ class Runtime:
             arms=self.arms,
             deadline=self.deadlines.add,
         )
+        self.endings = Endings(
+            store=store,
+            running=self._running,
+            workflow_type=lambda name: self.cache.registry.get(name),
+        )
+        #: Told each workflow whose actor exited, with its status then (schedules wait on it).
+        self.on_exit: Callable[[str, str | None], None] | None = None
+        self.scheduler.on_exit = self._exited
         hold = self.scheduler.hold
         self.janitor = Janitor(
             store=store,
@@ -115,6 +125,11 @@ class Runtime:
 
     def _running(self, workflow_id: str) -> bool:
         return self.scheduler.running(workflow_id)
+
+    def _exited(self, workflow_id: str, status: str | None) -> None:
+        self.endings.exited(workflow_id)
+        if self.on_exit is not None:
+            self.on_exit(workflow_id, status)
 
     def _new_actor(self, workflow_id: str) -> Actor:
         return Actor(
@@ -179,6 +194,7 @@ class Runtime:
 
     async def drain(self, grace_s: float) -> bool:
         """Stop taking work and wait up to `grace_s` for running steps; True if all finished."""
+        self.endings.stop()  # a `wait` gets `unavailable` now, not a hang-up later
         return await self.scheduler.drain(grace_s)
 
     async def _submit_callback(self, req: CallbackRequest, input: Any, wait: bool) -> Any:
@@ -270,7 +286,7 @@ class Runtime:
                 raise Conflict(f"workflow {wid!r} changed while starting; try again")
             if existing.name != workflow:
                 raise Conflict(
-                    f"workflow {wid!r} exists and is a {existing.name}, not a {workflow}"
+                    f"workflow {wid!r} exists and is {_a(existing.name)}, not {_a(workflow)}"
                 )
             return {"workflow_id": wid, "status": existing.status, "created": False}
         log.info("workflow_started", workflow_id=wid, workflow=workflow, parent=parent)
@@ -340,7 +356,7 @@ class Runtime:
         except Conflict as e:  # its row does not decode: no actor can load it
             return await self._cancel_undecodable(workflow_id, str(e))
         if loaded.state.status in FINAL_STATUSES:
-            return {"workflow_id": workflow_id, "status": loaded.state.status.value}
+            return _cancelled_again(workflow_id, loaded.state.status.value)
         reply = Reply()
         # Queueing it interrupts the workflow's actor.
         cancel = Item("cancel", input={"by": by, "error": error}, reply=reply)
@@ -356,7 +372,7 @@ class Runtime:
         if row is None:
             raise WorkflowNotFound(f"no workflow {workflow_id!r}")
         if row.status in FINAL_STATUSES:
-            return {"workflow_id": workflow_id, "status": row.status}
+            return _cancelled_again(workflow_id, row.status)
         note = f"cancelled without tearing down its waits: {problem}"
         await self.store.set_status(
             workflow_id,
@@ -367,6 +383,7 @@ class Runtime:
         log.warning("workflow_cancelled", workflow_id=workflow_id, workflow=row.name, note=note)
         self.scheduler.hold.incompatible.pop(workflow_id, None)
         self.cache.forget(workflow_id)
+        self.endings.exited(workflow_id)
         await self._drop_parked(workflow_id)
         self.children.ended(workflow_id)
         return {"workflow_id": workflow_id, "status": WorkflowStatus.CANCELLED.value}
@@ -416,7 +433,25 @@ class Runtime:
             out["running_step"] = actor.running_step.shown()
         if self.scheduler.hold.holds(workflow_id):
             out["held"] = True
+        if row.attempt and row.next_run_at is not None:
+            out["retry"] = await self._retry_of(row)
         return out
+
+    async def _retry_of(self, row: WorkflowRow) -> dict[str, Any]:
+        """Say which step is retried and how many attempts it may make (0: no limit)."""
+        failed = [r for r in await self.store.history(row.id, limit=20) if r.kind == "step_failed"]
+        step = failed[-1].detail.get("step") if failed else None
+        limit = self.settings.retry_max_attempts
+        cls = self.cache.registry.get(row.name)
+        if isinstance(step, str) and cls is not None:
+            try:
+                found = Definition(cls.from_json(row.data).definition()).steps.get(step)
+            except Exception:  # noqa: BLE001 - workflow code: the limit is then the default
+                found = None
+            retry = found.retry if found is not None else None
+            if retry is not None and retry.max_attempts is not None:
+                limit = retry.max_attempts
+        return {"step": step, "attempt": row.attempt, "max_attempts": limit}
 
     async def history(
         self, workflow_id: str, *, limit: int = 1000
@@ -426,6 +461,22 @@ class Runtime:
             raise WorkflowNotFound(f"no workflow {workflow_id!r}")
         rows = await self.store.history(workflow_id, limit=limit)
         return [{"at": r.at, "kind": r.kind, **r.detail} for r in rows]
+
+    async def wait(
+        self,
+        workflow_ids: builtins.list[str],
+        *,
+        any: bool = False,
+        timeout_s: float | None = None,
+        until: str = "ended",
+    ) -> dict[str, Any]:
+        """Answer once the workflows end (all, or one with `any`), or after `timeout_s`."""
+        self._check_open()
+        return await self.endings.wait(workflow_ids, any=any, timeout_s=timeout_s, until=until)
+
+    def types(self) -> builtins.list[dict[str, Any]]:
+        """Describe the registered workflow types and their input fields."""
+        return describe_types(self.cache.registry)
 
     async def status_of(self, workflow_id: str) -> str | None:
         """Return a workflow's status (from memory when loaded), or None if there is none."""
@@ -483,6 +534,18 @@ class Runtime:
             "incompatible": self.scheduler.hold.incompatible.get(row.id),
             "parent": row.parent,
         }
+
+
+def _cancelled_again(workflow_id: str, status: str) -> dict[str, Any]:
+    """Answer a cancel of an ended workflow: harmless if Cancelled, a conflict otherwise."""
+    if status == WorkflowStatus.CANCELLED.value:  # a retried cancel
+        return {"workflow_id": workflow_id, "status": status}
+    raise Conflict(f"workflow {workflow_id} has already ended: {status}")
+
+
+def _a(name: str) -> str:
+    """Return `name` with its indefinite article: "an Approval", "a Tally"."""
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 def _json_or_text(text: str) -> Any:

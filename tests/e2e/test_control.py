@@ -540,7 +540,7 @@ class TestWorkflowctl:
         async with running_daemon(tmp_path, MODULES) as d:
             s = d.socket
             assert ok(await ctl(s, "start", "Tally", "--id", "t", "--input", '{"id": "t"}')) == (
-                "t: Resuming\n"
+                "t: Waiting for add, rename, close\n"
             )
             async with d.client() as c:
                 await wait_status(c, "t", "Waiting")
@@ -559,7 +559,7 @@ class TestWorkflowctl:
             assert json.loads(queued) == {"queued": True}
             listing = ok(await ctl(s, "list", "--workflow", "Tally")).splitlines()
             rows = json.loads(ok(await ctl(s, "list", "--json", "--status", "Waiting")))
-            shown = json.loads(ok(await ctl(s, "show", "t")))
+            shown = json.loads(ok(await ctl(s, "show", "--json", "t")))
             history = ok(await ctl(s, "history", "t")).splitlines()
             raw_history = json.loads(ok(await ctl(s, "--json", "history", "t", "--limit", "1")))
             assert ok(await ctl(s, "cancel", "t")) == "t: Cancelled\n"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ class MemoryBackend:
 
     def __init__(self, events: tuple[str, ...] = ("approve", "reject", "crash", "odd")) -> None:
         #: Workflow type -> the events a new workflow of that type waits for.
-        self.types = {"approval": events}
+        self.kinds = {"approval": events}
         self.workflows: dict[str, Record] = {}
         self.histories: dict[str, list[Record]] = {}
         self.records: list[Record] = []
@@ -81,7 +81,7 @@ class MemoryBackend:
         timeout_s: float | None = None,
     ) -> dict[str, Any]:
         """Create a workflow waiting for its type's events."""
-        if workflow not in self.types:
+        if workflow not in self.kinds:
             raise UnknownWorkflowType(f"no workflow type {workflow!r}")
         self.started += 1
         wid = workflow_id or f"{workflow}-{self.started}"
@@ -90,15 +90,15 @@ class MemoryBackend:
         self.workflows[wid] = {
             "workflow_id": wid,
             "workflow": workflow,
-            "status": "waiting",
+            "status": "Waiting",
             "updated_at": f"2024-01-01T00:{self.started // 60:02d}:{self.started % 60:02d}Z",
-            "waiting_for": list(self.types[workflow]),
+            "waiting_for": list(self.kinds[workflow]),
             "pc": 1,
             "data": dict(input or {}),
         }
         self._note(wid, "started", input)
         self.emit("workflow_started", workflow_id=wid)
-        return {"workflow_id": wid, "status": "waiting"}
+        return {"workflow_id": wid, "status": "Waiting"}
 
     async def send(
         self,
@@ -112,7 +112,7 @@ class MemoryBackend:
     ) -> Any:
         """Deliver an event the way the runtime would check it."""
         wf = self._get(workflow_id)
-        if wf["status"] != "waiting":
+        if wf["status"] != "Waiting":
             raise Conflict(f"workflow {workflow_id!r} is {wf['status']}")
         if event not in wf["waiting_for"] or thread_id not in (None, "main"):
             raise CallbackNotFound(f"{workflow_id!r} does not wait for {event!r}")
@@ -126,7 +126,7 @@ class MemoryBackend:
             raise HandlerRejected("approve needs the reviewer's name (a string)")
         if self.hold is not None:
             await self.hold.wait()
-        wf.update(status="finished", waiting_for=[], pc=wf["pc"] + 1)
+        wf.update(status="Finished", waiting_for=[], pc=wf["pc"] + 1)
         self._note(workflow_id, event, input)
         self.emit("event_handled", workflow_id=workflow_id, name=event)
         return {"handled": event, "input": input}
@@ -160,11 +160,11 @@ class MemoryBackend:
     async def cancel(self, workflow_id: str) -> dict[str, Any]:
         """Cancel a waiting workflow."""
         wf = self._get(workflow_id)
-        if wf["status"] != "waiting":
+        if wf["status"] != "Waiting":
             raise Conflict(f"workflow {workflow_id!r} is already {wf['status']}")
-        wf.update(status="cancelled", waiting_for=[])
+        wf.update(status="Cancelled", waiting_for=[])
         self._note(workflow_id, "cancelled")
-        return {"workflow_id": workflow_id, "status": "cancelled"}
+        return {"workflow_id": workflow_id, "status": "Cancelled"}
 
     async def counts(self) -> dict[str, int]:
         """Count workflows by status."""
@@ -177,6 +177,24 @@ class MemoryBackend:
     def incompatible(self) -> int:
         """Count the workflows held for not fitting the code: none, in memory."""
         return 0
+
+    async def wait(
+        self,
+        workflow_ids: Sequence[str],
+        *,
+        any: bool = False,
+        timeout_s: float | None = None,
+        until: str = "ended",
+    ) -> dict[str, Any]:
+        """Report where the workflows stand at once (nothing moves in memory on its own)."""
+        rows = [self._get(wid) for wid in workflow_ids]
+        out = [{**r, "ended": r["status"] != "Waiting", "result": r.get("data")} for r in rows]
+        ended = [r for r in out if r["ended"]]
+        return {"workflows": out, "timed_out": not (ended if any else len(ended) == len(out))}
+
+    def types(self) -> Records:
+        """Describe the one workflow type."""
+        return [{"workflow": name, "doc": "", "fields": []} for name in self.kinds]
 
     @asynccontextmanager
     async def subscribe_logs(

@@ -16,8 +16,9 @@ import msgspec
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from daemon.control.ctl import answer_timeout, build_parser, build_request, cell, show, table
+from daemon.control.ctl import answer_timeout, build_parser, build_request
 from daemon.control.protocol import Cancel, History, List, Logs, Ping, Send, Show, Start
+from daemon.control.render import cell, show, table
 from tests.helpers import REPO
 from tests.helpers.memory import MemoryBackend, serving
 
@@ -44,18 +45,18 @@ class TestCommands:
         async with serving(backend, short_tmp / "s") as path:
             text = out(await ctl("--socket", str(path), "ping"))
             raw = out(await ctl("ping", "--json", "--socket", str(path)))
-        assert text.startswith("workflowd ") and text.endswith(": 1 waiting\n")
-        assert msgspec.json.decode(raw)["workflows"] == {"waiting": 1}
+        assert text.startswith("workflowd ") and text.endswith(": 1 Waiting\n")
+        assert msgspec.json.decode(raw)["workflows"] == {"Waiting": 1}
 
     async def test_start_then_inspect(self, backend: MemoryBackend, short_tmp: Path) -> None:
         """A workflow started with an id and input shows up in list, show and history."""
         async with serving(backend, short_tmp / "s") as path:
             s = ("--socket", str(path))
             assert out(await ctl(*s, "start", "approval", "--id", "x", "--input", '{"n": 1}')) == (
-                "x: waiting\n"
+                "x: Waiting for approve, reject, crash, odd\n"
             )
             listing = out(await ctl(*s, "list", "--status", "waiting")).splitlines()
-            shown = msgspec.json.decode(out(await ctl(*s, "show", "x")))
+            shown = msgspec.json.decode(out(await ctl(*s, "show", "x", "--json")))
             history = out(await ctl(*s, "history", "x")).splitlines()
             rows = msgspec.json.decode(out(await ctl(*s, "--json", "list", "--limit", "1")))
         assert listing[0].split() == [
@@ -66,9 +67,9 @@ class TestCommands:
             "WAITING_FOR",
         ]
         assert [line.split()[0] for line in listing[1:]] == ["x", "wf-1"]
-        assert listing[1].index("waiting") == listing[0].index("STATUS")  # columns line up
+        assert listing[1].index("Waiting") == listing[0].index("STATUS")  # columns line up
         assert shown["data"] == {"n": 1}
-        assert history == ["SEQ  KIND     DETAIL", '1    started  {"n":1}']
+        assert history == ["AT  KIND     THREAD  SEQ  DETAIL", '    started          1    {"n":1}']
         assert [r["workflow_id"] for r in rows] == ["x"]
 
     async def test_send(self, backend: MemoryBackend, short_tmp: Path) -> None:
@@ -87,8 +88,8 @@ class TestCommands:
     async def test_cancel(self, backend: MemoryBackend, short_tmp: Path) -> None:
         """Cancel prints the new status."""
         async with serving(backend, short_tmp / "s") as path:
-            assert out(await ctl("--socket", str(path), "cancel", "wf-1")) == "wf-1: cancelled\n"
-        assert backend.workflows["wf-1"]["status"] == "cancelled"
+            assert out(await ctl("--socket", str(path), "cancel", "wf-1")) == "wf-1: Cancelled\n"
+        assert backend.workflows["wf-1"]["status"] == "Cancelled"
 
 
 class TestExitCodes:
@@ -217,7 +218,8 @@ class TestSocketPath:
         unset = await ctl("--config", "other.toml", "ping", cwd=short_tmp)
         assert out(default).startswith("workflowd ")
         assert out(expanded).startswith("workflowd ")
-        assert unset.returncode == 2 and b"RUNTIME_DIRECTORY" in unset.stderr
+        # Unset, it is what the shipped unit makes it: /run/workflowd.
+        assert unset.returncode == 3 and b"/run/workflowd/w.sock" in unset.stderr
 
     async def test_missing_config(self, short_tmp: Path) -> None:
         """No socket option, variable or config file exits 2 and says what to pass."""
@@ -271,8 +273,8 @@ class TestBuildRequest:
                 Send(id=1, workflow_id="i", event="e", input=3, thread_id="t", pc=4, wait=False),
             ),
             (
-                ["list", "--status", "s", "--workflow", "W", "--limit", "5"],
-                List(id=1, status="s", workflow="W", limit=5),
+                ["list", "--status", "failed", "--workflow", "W", "--limit", "5"],
+                List(id=1, status="Failed", workflow="W", limit=5),
             ),
             (["show", "i"], Show(id=1, workflow_id="i")),
             (["history", "i", "--limit", "7"], History(id=1, workflow_id="i", limit=7)),
@@ -304,7 +306,8 @@ class TestFormatting:
         assert cell(["a", "b"]) == "a, b"
         assert cell({"k": [1]}) == '{"k":[1]}'
         assert cell("two\nlines") == "two\\nlines"
-        assert cell(0.5, "updated_at") == datetime.fromtimestamp(0.5).strftime("%Y-%m-%d %H:%M:%S")
+        local = datetime.fromtimestamp(0.5).astimezone()
+        assert cell(0.5, "updated_at") == local.strftime("%Y-%m-%d %H:%M:%S %z")
         assert cell("2024-01-01", "at") == "2024-01-01"
 
     def test_control_characters_are_escaped(self) -> None:

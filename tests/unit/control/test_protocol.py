@@ -167,6 +167,7 @@ class TestCodes:
             *("schedules", "schedule_show", "schedule_pause", "schedule_resume"),
             "schedule_trigger",
             "dashboard",
+            *("wait", "types"),
         } == OPS
 
     def test_decode_response(self) -> None:

@@ -81,14 +81,14 @@ class TestRequests:
         async with serving(backend, short_tmp / "s"), connect(short_tmp / "s") as c:
             r = await c.call("ping", id=1)
         assert r["ok"] is True and r["id"] == 1
-        assert r["result"]["workflows"] == {"waiting": 1}
+        assert r["result"]["workflows"] == {"Waiting": 1}
         assert isinstance(r["result"]["version"], str)
 
     async def test_start_list_show_history(self, backend: MemoryBackend, short_tmp: Path) -> None:
         """A started workflow shows up in list, show and history."""
         async with serving(backend, short_tmp / "s"), connect(short_tmp / "s") as c:
             r = await c.call("start", id="a", workflow="approval", workflow_id="x", input={"n": 1})
-            assert r == {"id": "a", "ok": True, "result": {"workflow_id": "x", "status": "waiting"}}
+            assert r == {"id": "a", "ok": True, "result": {"workflow_id": "x", "status": "Waiting"}}
             rows = (await c.call("list", workflow="approval", limit=1))["result"]
             assert [row["workflow_id"] for row in rows] == ["x"]
             assert (await c.call("show", workflow_id="x"))["result"]["data"] == {"n": 1}
@@ -291,7 +291,7 @@ class TestSocketFile:
             with anyio.fail_after(10), pytest.raises(Unavailable, match="another workflowd is"):
                 await serve(MemoryBackend(), socket_path=short_tmp / "s")
             async with connect(short_tmp / "s") as c:
-                assert (await c.call("ping"))["result"]["workflows"] == {"waiting": 1}
+                assert (await c.call("ping"))["result"]["workflows"] == {"Waiting": 1}
 
     async def test_regular_file_is_not_removed(
         self, backend: MemoryBackend, short_tmp: Path
@@ -342,7 +342,7 @@ class TestPeerCredentials:
         os.chmod(short_tmp, 0o777)  # let uid 65534 reach the socket
         async with serving(backend, short_tmp / "s", socket_mode=0o666, **allow):
             r = await ping_as_nobody(short_tmp / "s")
-        assert r["ok"] is True and r["result"]["workflows"] == {"waiting": 1}
+        assert r["ok"] is True and r["result"]["workflows"] == {"Waiting": 1}
 
 
 # What systemd does between fork and exec: the socket goes to fd 3 and LISTEN_PID is our own pid.

@@ -81,7 +81,7 @@ async def bench(
             schedules={s.name: s for s in schedules},
             grace_s=grace_s,
         )
-        rt.scheduler.on_exit = b.schedules.workflow_exited
+        rt.on_exit = b.schedules.workflow_exited
         await tg.start(b.schedules.run)
         yield b
         tg.cancel_scope.cancel()
