@@ -312,7 +312,7 @@ def show(command: str, result: Any, style: Style = PLAIN) -> str:
             return reload_text(result)
         case "backup", {"path": str(path), "bytes": int(size), **rest}:
             deleted = rest.get("deleted") or []
-            names = ", ".join(cell(d) for d in deleted)
+            names = ", ".join(cell(d) for d in deleted) if isinstance(deleted, list) else ""
             pruned = f"; deleted the oldest: {names}" if deleted else ""
             return f"backed up to {cell(path)} ({size} bytes){pruned}"
         case "dashboard", {"url": str(url), "socket": str(path)}:
