@@ -337,9 +337,13 @@ class Runtime:
             next_run_at=row.next_run_at,
             created_at=row.created_at,
         )
-        actor = self.scheduler.actor(workflow_id)
-        if actor is not None and actor.running_step is not None:
-            out["running_step"] = actor.running_step.shown()
+        running = actor.running if (actor := self.scheduler.actor(workflow_id)) else []
+        if running:
+            out["running_step"] = running[0][1].shown()
+        out["running"] = [
+            {"thread_id": thread_id, "step": run.step, "since": run.since}
+            for thread_id, run in running
+        ]
         if self.scheduler.hold.holds(workflow_id):
             out["held"] = True
         return out
@@ -388,6 +392,7 @@ class Runtime:
             raise Unavailable("workflowd is shutting down")
 
     def _summary(self, row: WorkflowRow) -> dict[str, Any]:
+        actor = self.scheduler.actor(row.id)
         waiting: builtins.list[str] = []
         try:
             state = State.from_json(row.state)
@@ -407,6 +412,7 @@ class Runtime:
             "waiting_for": waiting,
             "error": row.error,
             "incompatible": self.scheduler.hold.incompatible.get(row.id),
+            "running": [run.step for _, run in actor.running] if actor else [],
         }
 
 

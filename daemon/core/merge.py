@@ -1,0 +1,100 @@
+"""Per-step copies of a workflow's data and the per-field rule that merges their changes back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from daemon.core.definition import Definition
+from daemon.core.statements import Step
+from daemon.errors import HandlerRejected, StepNotFound
+
+_encoder = msgspec.json.Encoder()
+_MISSING: Any = msgspec.UNSET  # a dict key absent on one side (never a stored value)
+
+
+@dataclass(slots=True)
+class Fork:
+    """A copy of a workflow's data that one step runs against, and the data it started from."""
+
+    #: The copy; `step` is bound to it, never to the live workflow.
+    copy: Any
+    step: Step
+    #: The copy's fields at the start, as JSON builtins.
+    base: dict[str, Any]
+    #: The copy's fields once the step has returned (set by `finish`).
+    result: dict[str, Any] = field(default_factory=dict)
+
+    def finish(self) -> None:
+        """Record what the step left in its copy; raise HandlerRejected if that cannot be stored."""
+        self.result = msgspec.to_builtins(self.copy)
+        try:
+            msgspec.convert(self.result, type=type(self.copy))
+        except (msgspec.ValidationError, TypeError, ValueError) as e:
+            raise HandlerRejected(
+                f"step {self.step.name!r} left data {type(self.copy).__name__}'s fields "
+                f"cannot hold: {e}"
+            ) from e
+
+
+def fork(wf: Any, step: str) -> Fork:
+    """Copy the workflow's data and find `step` in the copy's definition."""
+    snap = _encoder.encode(wf)
+    copy = msgspec.json.decode(snap, type=type(wf))
+    found = Definition(copy.definition()).get(step, Step)
+    if found is None:
+        raise StepNotFound(f"step {step!r} is not in the definition")
+    return Fork(copy, found, msgspec.json.decode(snap))
+
+
+def apply(wf: Any, done: Fork) -> list[str]:
+    """Merge a finished step's changes into the live workflow; return the conflicting fields.
+
+    A field the step did not change keeps its live value, whatever other steps did to it.
+    """
+    changed = [k for k, v in done.result.items() if done.base.get(k, _MISSING) != v]
+    if not changed:
+        return []
+    live = msgspec.to_builtins(wf)
+    conflicts: list[str] = []
+    for k in changed:
+        value = merge(
+            done.base.get(k, _MISSING), done.result[k], live.get(k, _MISSING), k, conflicts
+        )
+        live[k] = value
+    fresh = msgspec.convert(live, type=type(wf))
+    for k in changed:
+        setattr(wf, k, getattr(fresh, k))
+    return conflicts
+
+
+def merge(base: Any, mine: Any, live: Any, path: str, conflicts: list[str]) -> Any:
+    """Return the value a field takes when a step turned `base` into `mine` and it is now `live`.
+
+    Lists the step only appended to get its additions appended to the live list; dicts merge
+    key by key (recursively); any other change wins over a different concurrent one, and its
+    path is added to `conflicts`. `_MISSING` stands for a dict key that is absent.
+    """
+    if mine == base:
+        return live
+    if live in (base, mine):
+        return mine
+    appended = isinstance(mine, list) and isinstance(base, list) and mine[: len(base)] == base
+    if appended and isinstance(live, list):
+        return live + mine[len(base) :]
+    if isinstance(mine, dict) and isinstance(base, dict) and isinstance(live, dict):
+        out = dict(live)
+        for k in {**base, **mine}:
+            b, m = base.get(k, _MISSING), mine.get(k, _MISSING)
+            if b == m:
+                continue
+            v = merge(b, m, live.get(k, _MISSING), f"{path}.{k}", conflicts)
+            if v is _MISSING:
+                out.pop(k, None)
+            else:
+                out[k] = v
+        return out
+    conflicts.append(path)
+    return mine
