@@ -73,17 +73,23 @@ def apply(wf: Any, done: Fork) -> list[str]:
 def merge(base: Any, mine: Any, live: Any, path: str, conflicts: list[str]) -> Any:
     """Return the value a field takes when a step turned `base` into `mine` and it is now `live`.
 
-    Lists the step only appended to get its additions appended to the live list; dicts merge
-    key by key (recursively); any other change wins over a different concurrent one, and its
+    Lists the step only appended to get its additions appended to the live list; lists whose
+    length no step changed merge index by index; dicts merge key by key (recursively); any other change wins over a different concurrent one, and its
     path is added to `conflicts`. `_MISSING` stands for a dict key that is absent.
     """
     if mine == base:
         return live
-    if live in (base, mine):
+    if live == base:
         return mine
     appended = isinstance(mine, list) and isinstance(base, list) and mine[: len(base)] == base
     if appended and isinstance(live, list):
         return live + mine[len(base) :]
+    if _same_length(base, mine, live):
+        # Items changed in place (`counts[j] += 1` in thread j) merge one index at a time.
+        return [
+            merge(b, m, v, f"{path}[{i}]", conflicts)
+            for i, (b, m, v) in enumerate(zip(base, mine, live, strict=True))
+        ]
     if isinstance(mine, dict) and isinstance(base, dict) and isinstance(live, dict):
         out = dict(live)
         for k in {**base, **mine}:
@@ -96,5 +102,13 @@ def merge(base: Any, mine: Any, live: Any, path: str, conflicts: list[str]) -> A
             else:
                 out[k] = v
         return out
+    if live == mine:  # the same change (after the list rule: equal appends both land)
+        return mine
     conflicts.append(path)
     return mine
+
+
+def _same_length(base: Any, mine: Any, live: Any) -> bool:
+    if not (isinstance(base, list) and isinstance(mine, list) and isinstance(live, list)):
+        return False
+    return len(base) == len(mine) == len(live)

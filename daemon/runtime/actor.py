@@ -318,7 +318,7 @@ class Actor:
         self._history.append((kind, detail))
 
     def _conflict(self, path: str, step: str, thread_id: str) -> None:
-        field = path.split(".", 1)[0]
+        field = path.split(".", 1)[0].split("[", 1)[0]
         log.warning("step_merge_conflict", field=field, path=path, step=step, thread=thread_id)
         self._note("step_merge_conflict", {"field": field, "path": path, "step": step})
 

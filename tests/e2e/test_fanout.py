@@ -177,8 +177,11 @@ class TestSeeingAndStopping:
             async with d.client() as c:
                 await c.call("start", workflow="Gated", workflow_id="g", input={"gate": str(gate)})
                 await self.all_slow_running(c)
-                for op, extra in (("goto", {"thread_id": "g0", "statement": "quick0"}), ("edit", {})):
-                    fields = {"set": {"quick": []}} if op == "edit" else extra
+                repairs: list[tuple[str, dict[str, Any]]] = [
+                    ("goto", {"thread_id": "g0", "statement": "quick0"}),
+                    ("edit", {"set": {"quick": []}}),
+                ]
+                for op, fields in repairs:
                     response = await c.request(op, workflow_id="g", **fields)
                     assert not response["ok"] and response["error"]["code"] == "conflict"
             stopping = d.proc
