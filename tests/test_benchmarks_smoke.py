@@ -9,6 +9,7 @@ import pytest
 
 from tests.benchmarks import (
     bench_control,
+    bench_fanout,
     bench_runtime,
     bench_schedules,
     bench_timers,
@@ -120,3 +121,15 @@ class TestSchedulesBench:
         metrics = {f"{k}_p{p}_ms" for k in ("fire_late", "start_late") for p in (50, 99)}
         _check("bench_schedules", figures, {*metrics, "daemon_cpu_per_fire_us"})
         assert {f["fires"] for f in figures} == {10}
+
+
+class TestFanoutBench:
+    """bench_fanout at a tiny size."""
+
+    async def test_fan_out_and_separate(self, tmp_path: Path) -> None:
+        """Both shapes report steps/s and wall time, and the slowdown between them."""
+        figures = await bench_fanout.run(
+            tmp_path, threads=3, steps=2, repeats=1, cache_loggers=False
+        )
+        metrics = {f"{s}_{m}" for s in ("fan_out", "separate") for m in ("steps_per_s", "wall_ms")}
+        _check("bench_fanout", figures, {*metrics, "slowdown"})

@@ -261,7 +261,7 @@ class _Resumer:
 
     def __init__(self, wf: Definable, state: State, checkpoint: Checkpoint):
         self.wf, self.state, self.checkpoint = wf, state, checkpoint
-        self.root = wf.definition()
+        self._root: Section | None = wf.definition()
         # Validated once per call, as the seed does; rebuilds are indexed only when needed.
         self._defn: Definition | None = Definition(self.root)
         # What cursors stopped at in the current tree, so most lookups need no index:
@@ -277,9 +277,17 @@ class _Resumer:
             self._defn = Definition(self.root)
         return self._defn
 
+    @property
+    def root(self) -> Section:
+        """Return the current tree, built from the data on first use after a change."""
+        if self._root is None:
+            self._root = self.wf.definition()
+        return self._root
+
     def rebuild(self) -> None:
-        # Most rebuilds are only walked by a cursor, so indexing waits until a lookup needs it.
-        self.root = self.wf.definition()
+        # Built when next needed: several steps may complete (and merge) before that. Most
+        # rebuilds are only walked by a cursor, so indexing waits until a lookup needs it.
+        self._root = None
         self._defn = None
         self.ready.clear()
         self.cases.clear()
@@ -427,8 +435,7 @@ async def resume(
         if t is not None:
             r.tick(t)
             if t.status is _EXECUTING:
-                name = r.step_of(t).name
-                runner.start(t.id, partial(fork, wf, name))
+                runner.start(t.id, partial(fork, wf, r.step_of(t)))
                 flight.add(t.id)
                 started = True
             else:

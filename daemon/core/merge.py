@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from daemon.core.definition import Definition
-from daemon.core.statements import Step
+from daemon.core.statements import Step, walk
 from daemon.errors import HandlerRejected, StepNotFound
 
 _encoder = msgspec.json.Encoder()
@@ -39,14 +41,37 @@ class Fork:
             ) from e
 
 
-def fork(wf: Any, step: str) -> Fork:
-    """Copy the workflow's data and find `step` in the copy's definition."""
+def fork(wf: Any, step: Step | str) -> Fork:
+    """Copy the workflow's data and give the copy its own `step` (a Step of `wf`, or a name)."""
     snap = _encoder.encode(wf)
     copy = msgspec.json.decode(snap, type=type(wf))
-    found = Definition(copy.definition()).get(step, Step)
+    found = None
+    if isinstance(step, Step):
+        action = _rebind(step.action, wf, copy)
+        if action is not None:
+            found = dataclasses.replace(step, action=action)
+        step = step.name
+    if found is None:
+        # An action that is not a method of the data (a lambda, say) may read it anywhere:
+        # the copy's own definition binds it to the copy.
+        found = next(
+            (s for s in walk(copy.definition()) if isinstance(s, Step) and s.name == step), None
+        )
     if found is None:
         raise StepNotFound(f"step {step!r} is not in the definition")
     return Fork(copy, found, msgspec.json.decode(snap))
+
+
+def _rebind(action: Any, live: Any, copy: Any) -> Any:
+    """Return `action` acting on `copy` instead of `live`, or None if it cannot be told how."""
+    if isinstance(action, types.MethodType):
+        return types.MethodType(action.__func__, copy) if action.__self__ is live else None
+    if isinstance(action, functools.partial):
+        func = _rebind(action.func, live, copy)
+        if func is None or any(a is live for a in (*action.args, *action.keywords.values())):
+            return None
+        return functools.partial(func, *action.args, **action.keywords)
+    return None
 
 
 def apply(wf: Any, done: Fork) -> list[str]:

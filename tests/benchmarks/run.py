@@ -29,6 +29,7 @@ BENCHMARKS: list[str] = [
     "bench_schedules",
     "bench_torture",
     "bench_fuzz",
+    "bench_fanout",
 ]
 
 KEYS = ("bench", "metric", "value", "unit", "target")
