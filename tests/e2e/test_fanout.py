@@ -121,7 +121,7 @@ class TestSeeingAndStopping:
         threads say Executing at their step, and `list` rows name the steps."""
         gate = tmp_path / "gate"
         async with running_daemon(tmp_path, MODULES) as d, d.client() as c:
-            await c.call("start", workflow="Gated", workflow_id="g", input={"gate": str(gate)})
+            await c.call("start", workflow="GatedFan", workflow_id="g", input={"gate": str(gate)})
             shown = await self.all_slow_running(c)
             (row,) = await c.call("list")
             assert sorted(row["running"]) == ["slow0", "slow1", "slow2"]
@@ -147,7 +147,9 @@ class TestSeeingAndStopping:
         await d.start()
         try:
             async with d.client() as c:
-                await c.call("start", workflow="Gated", workflow_id="g", input={"gate": str(gate)})
+                await c.call(
+                    "start", workflow="GatedFan", workflow_id="g", input={"gate": str(gate)}
+                )
                 await self.all_slow_running(c)
             await d.kill()
             await d.start()
@@ -175,7 +177,9 @@ class TestSeeingAndStopping:
         await d.start()
         try:
             async with d.client() as c:
-                await c.call("start", workflow="Gated", workflow_id="g", input={"gate": str(gate)})
+                await c.call(
+                    "start", workflow="GatedFan", workflow_id="g", input={"gate": str(gate)}
+                )
                 await self.all_slow_running(c)
                 repairs: list[tuple[str, dict[str, Any]]] = [
                     ("goto", {"thread_id": "g0", "statement": "quick0"}),
@@ -198,8 +202,12 @@ class TestSeeingAndStopping:
             async with d.client() as c:
                 shown = await wait_status(c, "g", "Finished")
                 assert sorted(shown["data"]["slow"]) == ["s0", "s1", "s2"]
+                slow = [x for x in step_log(tmp_path) if x.startswith("slow")]
+                assert len(slow) == 3  # the graceful stop let them finish: none ran again
                 # Cancel with steps in flight: a new run, held at its gate.
-                await c.call("start", workflow="Gated", workflow_id="h", input={"gate": str(gate)})
+                await c.call(
+                    "start", workflow="GatedFan", workflow_id="h", input={"gate": str(gate)}
+                )
 
                 async def three() -> bool:
                     s = await c.call("show", workflow_id="h")
@@ -212,5 +220,3 @@ class TestSeeingAndStopping:
                 assert shown["status"] == "Cancelled" and shown["running"] == []
         finally:
             await d.stop()
-        slow = [x for x in step_log(tmp_path) if x.startswith("slow")]
-        assert len(slow) == 6  # three per workflow: the graceful stop ran none again

@@ -88,7 +88,7 @@ def _wait_gate(gate: str) -> None:
 
 
 @dataclass
-class Gated(Workflow):
+class GatedFan(Workflow):
     """Three threads: a quick step each, then a step that holds until the file `gate` exists."""
 
     gate: str = ""
