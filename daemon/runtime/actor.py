@@ -259,6 +259,8 @@ class Actor:
                     on_retry=on_retry,
                     attempts=attempts,
                 ) as self.pool:
+                    if self._stop:  # shutdown began while this resume was being set up
+                        self.pool.stop()
                     await resume(
                         loaded.wf,
                         loaded.state,
