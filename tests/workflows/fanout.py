@@ -72,11 +72,11 @@ class OwnFields(Workflow):
 
     def definition(self) -> Section:
         return S(
-            Go("l", Step("set_left", partial(self.write, "left", "L", 0.5))),
-            Go("r", Step("set_right", partial(self.write, "right", "R", 0.5))),
+            Go("l", Step("set_left", partial(self.write, "left", "L", 1.0))),
+            Go("r", Step("set_right", partial(self.write, "right", "R", 1.0))),
             # Both change `winner` from its start; "late" completes last and wins.
-            Go("e", Step("early", partial(self.write, "winner", "early", 0.2))),
-            Go("z", Step("late", partial(self.write, "winner", "late", 1.0))),
+            Go("e", Step("early", partial(self.write, "winner", "early", 0.5))),
+            Go("z", Step("late", partial(self.write, "winner", "late", 1.5))),
             WaitFor("joined", len(self.spans) == 4),
         )
 
