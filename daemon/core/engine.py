@@ -77,7 +77,8 @@ MAX_TRANSITIONS = 10_000
 
 Checkpoint = Callable[[CheckpointType], Awaitable[None]]
 StepRunner = Callable[[Step], Awaitable[None]]
-#: Told of each field a step's merge found changed differently by an overlapping step.
+#: Told of each field (its path, the step, the thread) that a step's merge found changed
+#: differently by an overlapping step.
 OnConflict = Callable[[str, str, str], None]
 
 
@@ -121,7 +122,7 @@ class _Inline:
         return [Done(thread_id, f)]
 
 
-def _ignore_conflict(field: str, step: str, thread_id: str) -> None:
+def _ignore_conflict(path: str, step: str, thread_id: str) -> None:
     return None
 
 
