@@ -94,8 +94,12 @@ class Done:
 class Steps(Protocol):
     """Runs the engine's steps, each against its own fork; several may be in flight."""
 
-    def start(self, thread_id: str, make_fork: Callable[[], Fork]) -> None:
-        """Begin running a thread's step; `make_fork` copies the data as it is then."""
+    def start(self, thread_id: str, make_fork: Callable[..., Fork]) -> None:
+        """Begin running a thread's step; `make_fork()` copies the data as it is then.
+
+        `make_fork(alone=True)` (see daemon.core.merge.fork) may be used for a step that no
+        other can overlap: one alone in flight while the engine waits in `next`.
+        """
 
     async def next(self) -> list[Done]:
         """Wait for at least one started step to end; return those that have, in order."""
@@ -106,18 +110,19 @@ class _Inline:
 
     def __init__(self, run_step: StepRunner) -> None:
         self.run_step = run_step
-        self.queue: deque[tuple[str, Callable[[], Fork]]] = deque()
+        self.queue: deque[tuple[str, Callable[..., Fork]]] = deque()
 
-    def start(self, thread_id: str, make_fork: Callable[[], Fork]) -> None:
+    def start(self, thread_id: str, make_fork: Callable[..., Fork]) -> None:
         self.queue.append((thread_id, make_fork))
 
     async def next(self) -> list[Done]:
         thread_id, make_fork = self.queue.popleft()
-        f = make_fork()
+        f = make_fork(alone=True)  # forked when it runs, so it overlaps no other step
         try:
             await self.run_step(f.step)
             f.finish()
         except Exception as e:  # noqa: BLE001 - the engine raises it as StepFailed
+            f.discard()
             return [Done(thread_id, failure=StepFailed(f.step.name, e))]
         return [Done(thread_id, f)]
 

@@ -28,9 +28,14 @@ class Fork:
     base: dict[str, Any]
     #: The copy's fields once the step has returned (set by `finish`).
     result: dict[str, Any] = field(default_factory=dict)
+    #: Set when the step runs on the live data itself (no other step can overlap it): the
+    #: data as it was, put back by `discard` if the step fails.
+    undo: bytes | None = None
 
     def finish(self) -> None:
         """Record what the step left in its copy; raise HandlerRejected if that cannot be stored."""
+        if self.undo is not None:
+            return  # its changes are in place already
         self.result = msgspec.to_builtins(self.copy)
         try:
             msgspec.convert(self.result, type=type(self.copy))
@@ -40,10 +45,22 @@ class Fork:
                 f"cannot hold: {e}"
             ) from e
 
+    def discard(self) -> None:
+        """Forget what a failed step did: put data it changed in place back as it was."""
+        if self.undo is not None:
+            self.copy.restore(self.undo)
 
-def fork(wf: Any, step: Step | str) -> Fork:
-    """Copy the workflow's data and give the copy its own `step` (a Step of `wf`, or a name)."""
+
+def fork(wf: Any, step: Step | str, *, alone: bool = False) -> Fork:
+    """Copy the workflow's data and give the copy its own `step` (a Step of `wf`, or a name).
+
+    `alone` tells that no other step can start before this one has ended: it then runs on
+    the live data, undone if it fails, as a copy would be dropped. Not a step with a timeout:
+    past it, a sync step's abandoned thread goes on changing the data it was given.
+    """
     snap = _encoder.encode(wf)
+    if alone and isinstance(step, Step) and not step.timeout:
+        return Fork(wf, step, {}, undo=snap)
     copy = msgspec.json.decode(snap, type=type(wf))
     found = None
     if isinstance(step, Step):
@@ -79,6 +96,8 @@ def apply(wf: Any, done: Fork) -> list[str]:
 
     A field the step did not change keeps its live value, whatever other steps did to it.
     """
+    if done.undo is not None:
+        return []  # it ran on `wf` itself
     changed = [k for k, v in done.result.items() if done.base.get(k, _MISSING) != v]
     if not changed:
         return []

@@ -46,15 +46,18 @@ class StepPool:
         self._limiter, self._clock, self._settings = limiter, clock, settings
         self._note, self._on_retry = note, on_retry
         #: Failed attempts already made, by thread (from before a restart).
-        self._attempts = attempts or {}
+        self._failed_before = attempts or {}
         #: The steps running now, by thread id, for `show`.
         self.running: dict[str, StepRun] = {}
         self._backing_off: dict[str, anyio.CancelScope] = {}
+        #: Steps started but not yet running: the engine waits for one in `next`.
+        self._pending: list[tuple[str, Callable[..., Fork]]] = []
         self._done: list[Done] = []
         self._error: BaseException | None = None
         # asyncio's event, not anyio's: one is made per wait, and anyio's costs a lookup.
         self._wake = asyncio.Event()
-        self._tasks = 0
+        #: Steps between their first attempt and their end (retry waits included).
+        self._flight = 0
         self._stopping = False
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -81,7 +84,7 @@ class StepPool:
     @property
     def resting(self) -> bool:
         """Tell whether every step in flight waits for its retry (none runs)."""
-        return self._tasks > 0 and not self.running and len(self._backing_off) == self._tasks
+        return self._flight > 0 and not self.running and len(self._backing_off) == self._flight
 
     def stop(self) -> None:
         """Start no more steps, and end the retry waits (shutdown); running steps go on."""
@@ -89,17 +92,27 @@ class StepPool:
         for scope in self._backing_off.values():
             scope.cancel()
 
-    def start(self, thread_id: str, make_fork: Callable[[], Fork]) -> None:
-        """Run a thread's step in a task of the pool (or, when stopping, report it not run)."""
+    def start(self, thread_id: str, make_fork: Callable[..., Fork]) -> None:
+        """Take a thread's step to run (or, when stopping, report it not run)."""
         if self._stopping:
             self._report(Done(thread_id))
-            return
-        assert self._tg is not None
-        self._tasks += 1
-        self._tg.start_soon(self._run, thread_id, make_fork)
+        else:
+            self._pending.append((thread_id, make_fork))
 
     async def next(self) -> list[Done]:
-        """Wait until some step has ended; return every one that has, in the order they did."""
+        """Wait until some step has ended; return every one that has, in the order they did.
+
+        A step that is the only one in flight runs right here, on the live data: nothing can
+        overlap it, and a task and a copy per step would only cost time.
+        """
+        if self._pending and not self._done:
+            if len(self._pending) == 1 and self._flight == 0:
+                thread_id, make_fork = self._pending.pop()
+                return [await self._attempts_of(thread_id, make_fork, alone=True)]
+            assert self._tg is not None
+            for thread_id, make_fork in self._pending:
+                self._tg.start_soon(self._run, thread_id, make_fork)
+            self._pending.clear()
         while not self._done and self._error is None:
             self._wake.clear()
             await self._wake.wait()
@@ -112,19 +125,27 @@ class StepPool:
         self._done.append(done)
         self._wake.set()
 
-    async def _run(self, thread_id: str, make_fork: Callable[[], Fork]) -> None:
+    async def _run(self, thread_id: str, make_fork: Callable[..., Fork]) -> None:
         try:
             self._report(await self._attempts_of(thread_id, make_fork))
         except Exception as e:  # noqa: BLE001 - e.g. the retry not stored: the engine raises it
             self._error = e
             self._wake.set()
-        finally:
-            self._tasks -= 1
 
-    async def _attempts_of(self, thread_id: str, make_fork: Callable[[], Fork]) -> Done:
-        attempt = self._attempts.pop(thread_id, 0)
+    async def _attempts_of(
+        self, thread_id: str, make_fork: Callable[..., Fork], *, alone: bool = False
+    ) -> Done:
+        self._flight += 1
+        try:
+            return await self._attempts(thread_id, make_fork, alone)
+        finally:
+            self._flight -= 1
+
+    async def _attempts(self, thread_id: str, make_fork: Callable[..., Fork], alone: bool) -> Done:
+        attempt = self._failed_before.pop(thread_id, 0)
         while True:
-            f = make_fork()  # a fresh copy each attempt: other threads' changes may have landed
+            # A fresh fork each attempt: other threads' changes may have landed meanwhile.
+            f = make_fork(alone=alone)
             step = f.step
             self.running[thread_id] = run = StepRun(step.name)
             try:
@@ -132,6 +153,7 @@ class StepPool:
                 f.finish()
                 return Done(thread_id, f)
             except Exception as e:  # noqa: BLE001 - a step may raise anything: retried or failed
+                f.discard()
                 failure = StepFailed(step.name, e)
             finally:
                 del self.running[thread_id]
