@@ -131,5 +131,9 @@ class TestFanoutBench:
         figures = await bench_fanout.run(
             tmp_path, threads=3, steps=2, repeats=1, cache_loggers=False
         )
-        metrics = {f"{s}_{m}" for s in ("fan_out", "separate") for m in ("steps_per_s", "wall_ms")}
+        metrics = {
+            f"{s}_{m}"
+            for s in ("fan_out", "separate")
+            for m in ("steps_per_s", "wall_ms", "cpu_per_step_us")
+        }
         _check("bench_fanout", figures, {*metrics, "slowdown"})

@@ -28,21 +28,22 @@ REPEATS = 3
 TARGET_RATIO = 1.5
 
 
-async def _timed(db: Path, starts: list[tuple[str, str, dict[str, Any]]]) -> float:
+async def _timed(db: Path, starts: list[tuple[str, str, dict[str, Any]]]) -> tuple[float, float]:
+    """Start the workflows together; return the wall and CPU seconds until all finished."""
     async with (
         SQLiteStore.open(db, synchronous="normal") as store,
         Runtime.open(store, REGISTRY) as rt,
     ):
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), time.process_time()
         async with anyio.create_task_group() as tg:
             for workflow, workflow_id, input in starts:
                 tg.start_soon(rt.start, workflow, workflow_id, input)
         await rt.wait_idle()
-        elapsed = time.perf_counter() - began
+        elapsed, cpu = time.perf_counter() - began, time.process_time() - cpu
         counts = await rt.counts()
     if counts != {"Finished": len(starts)}:
         raise AssertionError(f"expected {len(starts)} finished workflows, got {counts}")
-    return elapsed
+    return elapsed, cpu
 
 
 async def run(
@@ -57,10 +58,13 @@ async def run(
     fan = [("FanSteps", "fan", {"threads": threads, "n": steps})]
     separate = [("SyncSteps", f"w{i}", {"n": steps}) for i in range(threads)]
     walls: dict[str, list[float]] = {"fan_out": [], "separate": []}
+    cpus: dict[str, list[float]] = {"fan_out": [], "separate": []}
     with production_logging(cache_loggers):
         for r in range(repeats):
-            walls["fan_out"].append(await _timed(tmp / f"fan-{r}.db", fan))
-            walls["separate"].append(await _timed(tmp / f"separate-{r}.db", separate))
+            for shape, starts in (("fan_out", fan), ("separate", separate)):
+                elapsed, cpu = await _timed(tmp / f"{shape}-{r}.db", starts)
+                walls[shape].append(elapsed)
+                cpus[shape].append(cpu)
     wall = {k: statistics.median(v) for k, v in walls.items()}
     rate = {k: total / v for k, v in wall.items()}
     context = {"threads": threads, "steps_each": steps, "synchronous": "normal"}
@@ -73,6 +77,9 @@ async def run(
             {"bench": "fanout", "metric": f"{shape}_wall_ms", "value": round(wall[shape] * 1e3, 1),
              "unit": "ms", "target": None, **context,
              "runs": [round(w * 1e3, 1) for w in walls[shape]]},
+            {"bench": "fanout", "metric": f"{shape}_cpu_per_step_us",
+             "value": round(statistics.median(cpus[shape]) / total * 1e6), "unit": "us",
+             "target": None, **context},
         ]  # fmt: skip
     figures.append(
         {"bench": "fanout", "metric": "slowdown", "value": round(wall["fan_out"] / wall["separate"], 2),
