@@ -105,6 +105,10 @@ class StepPool:
         A step that is the only one in flight runs right here, on the live data: nothing can
         overlap it, and a task and a copy per step would only cost time.
         """
+        if self._stopping:  # stopped while the engine was checkpointing: run none of them
+            for thread_id, _ in self._pending:
+                self._report(Done(thread_id))
+            self._pending.clear()
         if self._pending and not self._done:
             if len(self._pending) == 1 and self._flight == 0:
                 thread_id, make_fork = self._pending.pop()

@@ -11,6 +11,7 @@ import pytest
 
 from daemon import Go, S, Section, State, Step, WaitFor, Workflow, WorkflowStatus, resume
 from daemon.clock import FakeClock
+from daemon.core.merge import fork
 from daemon.core.state import CheckpointType
 from daemon.errors import StepFailed
 from daemon.runtime.pool import StepPool
@@ -148,3 +149,32 @@ class Broken(Workflow):
 
     def definition(self) -> Section:
         return S(Step("f", self.f))
+
+
+class TestStoppedPool:
+    async def test_steps_started_after_a_stop_do_not_run(self) -> None:
+        """Steps the engine started before it saw the stop are reported not run."""
+        ran: list[str] = []
+        async with StepPool(
+            limiter=anyio.CapacityLimiter(4),
+            clock=FakeClock(),
+            settings=Settings(),
+            note=lambda kind, detail: None,
+            on_retry=_no_retry,
+        ) as pool:
+            wf = Broken()
+            step = Step("f", lambda: ran.append("f"))
+            pool.start("a", partial(fork, wf, step))
+            pool.start("b", partial(fork, wf, step))
+            pool.stop()
+            with anyio.fail_after(5):
+                done = await pool.next()
+        assert [(d.thread_id, d.fork, d.failure) for d in done] == [
+            ("a", None, None),
+            ("b", None, None),
+        ]
+        assert ran == []
+
+
+async def _no_retry(detail: dict[str, Any], attempt: int, error: str, due: float) -> None:
+    raise AssertionError("no retry expected")
