@@ -9,6 +9,7 @@ import pytest
 
 from tests.benchmarks import (
     bench_control,
+    bench_fanout,
     bench_log,
     bench_metrics,
     bench_runtime,
@@ -144,3 +145,19 @@ class TestMetricsBench:
         """The per-step collection cost and one scrape's time are reported."""
         figures = bench_metrics.run(calls=1000, repeats=1)
         _check("bench_metrics", figures, {"step_collect_us", "scrape_ms"})
+
+
+class TestFanoutBench:
+    """bench_fanout at a tiny size."""
+
+    async def test_fan_out_and_separate(self, tmp_path: Path) -> None:
+        """Both shapes report steps/s and wall time, and the slowdown between them."""
+        figures = await bench_fanout.run(
+            tmp_path, threads=3, steps=2, repeats=1, cache_loggers=False
+        )
+        metrics = {
+            f"{s}_{m}"
+            for s in ("fan_out", "separate")
+            for m in ("steps_per_s", "wall_ms", "cpu_per_step_us")
+        }
+        _check("bench_fanout", figures, {*metrics, "slowdown"})

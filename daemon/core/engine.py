@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import inspect
+from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
 
 # Explicit re-exports (mypy's idiom): daemon.core.engine.Definition and .validate stay importable.
 from daemon.core.definition import Definable, dispatch_entry
 from daemon.core.definition import Definition as Definition  # noqa: PLC0414
 from daemon.core.definition import validate as validate  # noqa: PLC0414
 from daemon.core.handler import CallbackRequest, Handler
+from daemon.core.merge import Fork, apply, fork
 from daemon.core.state import (
     ARMED,
     FINAL_STATUSES,
@@ -65,6 +69,7 @@ _EXECUTING, _RESUMING = ThreadStatus.EXECUTING, ThreadStatus.RESUMING
 _WAITING_EVENT, _WAITING_CONDITION = ThreadStatus.WAITING_EVENT, ThreadStatus.WAITING_CONDITION
 _PENDING_SETUP, _SETUP = EventStatus.PENDING_SETUP, EventStatus.SETUP
 _AFTER_STEP, _AFTER_RESUME = CheckpointType.AFTER_STEP, CheckpointType.AFTER_RESUME
+_STEPS_STARTED = CheckpointType.STEPS_STARTED
 
 #: Transitions one `resume` may make before the workflow is declared a runaway.
 MAX_TRANSITIONS = 10_000
@@ -72,6 +77,58 @@ MAX_TRANSITIONS = 10_000
 
 Checkpoint = Callable[[CheckpointType], Awaitable[None]]
 StepRunner = Callable[[Step], Awaitable[None]]
+#: Told of each field (its path, the step, the thread) that a step's merge found changed
+#: differently by an overlapping step.
+OnConflict = Callable[[str, str, str], None]
+
+
+@dataclass(slots=True)
+class Done:
+    """A step that ended: its fork to merge, its failure, or neither (it was never run)."""
+
+    thread_id: str
+    fork: Fork | None = None
+    failure: StepFailed | None = None
+
+
+class Steps(Protocol):
+    """Runs the engine's steps, each against its own fork; several may be in flight."""
+
+    def start(self, thread_id: str, make_fork: Callable[..., Fork]) -> None:
+        """Begin running a thread's step; `make_fork()` copies the data as it is then.
+
+        `make_fork(alone=True)` (see daemon.core.merge.fork) may be used for a step that no
+        other can overlap: one alone in flight while the engine waits in `next`.
+        """
+
+    async def next(self) -> list[Done]:
+        """Wait for at least one started step to end; return those that have, in order."""
+
+
+class _Inline:
+    """Runs one step at a time, in the order they were started (for the engine's own tests)."""
+
+    def __init__(self, run_step: StepRunner) -> None:
+        self.run_step = run_step
+        self.queue: deque[tuple[str, Callable[..., Fork]]] = deque()
+
+    def start(self, thread_id: str, make_fork: Callable[..., Fork]) -> None:
+        self.queue.append((thread_id, make_fork))
+
+    async def next(self) -> list[Done]:
+        thread_id, make_fork = self.queue.popleft()
+        f = make_fork(alone=True)  # forked when it runs, so it overlaps no other step
+        try:
+            await self.run_step(f.step)
+            f.finish()
+        except Exception as e:  # noqa: BLE001 - the engine raises it as StepFailed
+            f.discard()
+            return [Done(thread_id, failure=StepFailed(f.step.name, e))]
+        return [Done(thread_id, f)]
+
+
+def _ignore_conflict(path: str, step: str, thread_id: str) -> None:
+    return None
 
 
 async def call_action(fn: Callable[[], object]) -> object:
@@ -210,7 +267,7 @@ class _Resumer:
 
     def __init__(self, wf: Definable, state: State, checkpoint: Checkpoint):
         self.wf, self.state, self.checkpoint = wf, state, checkpoint
-        self.root = wf.definition()
+        self._root: Section | None = wf.definition()
         # Validated once per call, as the seed does; rebuilds are indexed only when needed.
         self._defn: Definition | None = Definition(self.root)
         # What cursors stopped at in the current tree, so most lookups need no index:
@@ -226,9 +283,17 @@ class _Resumer:
             self._defn = Definition(self.root)
         return self._defn
 
+    @property
+    def root(self) -> Section:
+        """Return the current tree, built from the data on first use after a change."""
+        if self._root is None:
+            self._root = self.wf.definition()
+        return self._root
+
     def rebuild(self) -> None:
-        # Most rebuilds are only walked by a cursor, so indexing waits until a lookup needs it.
-        self.root = self.wf.definition()
+        # Built when next needed: several steps may complete (and merge) before that. Most
+        # rebuilds are only walked by a cursor, so indexing waits until a lookup needs it.
+        self._root = None
         self._defn = None
         self.ready.clear()
         self.cases.clear()
@@ -241,9 +306,9 @@ class _Resumer:
                 f"blocking (thread {t.id} near {t.cur_step!r}); endless loop?"
             )
 
-    def runnable(self) -> Thread | None:
+    def runnable(self, flight: set[str], held: set[str]) -> Thread | None:
         for t in self.state.threads:
-            if t.status in RUNNABLE:
+            if t.status in RUNNABLE and t.id not in flight and t.id not in held:
                 return t
         return None
 
@@ -345,31 +410,65 @@ class _Resumer:
 
 
 async def resume(
-    wf: Definable, state: State, checkpoint: Checkpoint, *, run_step: StepRunner = _run_step
+    wf: Definable,
+    state: State,
+    checkpoint: Checkpoint,
+    *,
+    run_step: StepRunner = _run_step,
+    steps: Steps | None = None,
+    on_conflict: OnConflict = _ignore_conflict,
 ) -> None:
-    """Run the workflow until every thread is blocked or it has finished."""
+    """Run the workflow until every thread is blocked or it has finished.
+
+    Each thread's step runs against its own fork of the data, through `steps` (by default
+    one at a time with `run_step`); steps of different threads may overlap, and each one's
+    changes are merged into `wf` when it ends (see daemon.core.merge). A checkpoint is taken
+    before waiting for steps, so it holds the completed ones and those in flight, never a
+    half-done step.
+    """
     if state.status in FINAL_STATUSES:
         raise WorkflowdError(f"workflow {state.id} is already {state.status}")
+    runner = steps if steps is not None else _Inline(run_step)
     r = _Resumer(wf, state, checkpoint)
     state.pc += 1
     await r.teardown()
+    #: Threads whose step is in flight, and those whose step was not run (stopping).
+    flight: set[str] = set()
+    held: set[str] = set()
+    stepped = started = False
     while state.status not in FINAL_STATUSES:
-        t = r.runnable()
+        t = r.runnable(flight, held)
         if t is not None:
             r.tick(t)
             if t.status is _EXECUTING:
-                step = r.step_of(t)
-                try:
-                    await run_step(step)
-                except Exception as e:
-                    raise StepFailed(step.name, e) from e
-                r.stepped(t)
-                await checkpoint(_AFTER_STEP)
+                runner.start(t.id, partial(fork, wf, r.step_of(t)))
+                flight.add(t.id)
+                started = True
             else:
                 r.advance(t)
                 await checkpoint(_AFTER_RESUME)
-        elif not await r.check_conditions():
+            continue
+        if await r.check_conditions():
+            continue
+        if not flight:
             break
+        if stepped or started:
+            await checkpoint(_AFTER_STEP if stepped else _STEPS_STARTED)
+            stepped = started = False
+        for done in await runner.next():
+            flight.discard(done.thread_id)
+            if done.failure is not None:
+                raise done.failure
+            t = state.thread(done.thread_id)
+            if done.fork is None or t is None:
+                held.add(done.thread_id)
+                continue
+            for path in apply(wf, done.fork):
+                on_conflict(path, done.fork.step.name, t.id)
+            r.stepped(t)
+            stepped = True
+    if stepped:
+        await checkpoint(_AFTER_STEP)
     if state.status in FINAL_STATUSES:
         await r.teardown()
         drop_ended_threads(state)

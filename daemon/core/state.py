@@ -63,6 +63,8 @@ class CheckpointType(StrEnum):
     AFTER_TEARDOWN = "afterTeardown"
     AFTER_RESUME = "afterResume"
     AFTER_CONDITION = "afterCondition"
+    #: Steps were started (and none completed since the last checkpoint).
+    STEPS_STARTED = "stepsStarted"
 
 
 FINAL_STATUSES = frozenset(

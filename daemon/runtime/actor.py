@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -16,7 +15,6 @@ import structlog
 from structlog.contextvars import bound_contextvars
 
 from daemon.clock import Clock
-from daemon.core.definition import Definition
 from daemon.core.engine import handle_callback, resume
 from daemon.core.state import (
     FINAL_STATUSES,
@@ -26,21 +24,27 @@ from daemon.core.state import (
     ThreadStatus,
     WorkflowStatus,
 )
-from daemon.core.statements import NonRetryableError, Retry, Step
+from daemon.core.statements import Retry
 from daemon.core.waits import teardown_ended
 from daemon.core.workflow import Workflow
-from daemon.errors import CallbackNotFound, HandlerRejected, StepFailed, Unavailable, WorkflowdError
+from daemon.errors import CallbackNotFound, HandlerRejected, Unavailable, WorkflowdError
 from daemon.observe.metrics import Metrics
 from daemon.runtime.arming import Arms
 from daemon.runtime.cache import Cache, Loaded
+from daemon.runtime.pool import StepPool
 from daemon.runtime.settings import Settings
-from daemon.runtime.steps import StepRun, run_step
+from daemon.runtime.steps import StepRun
 from daemon.runtime.work import Item, Reply
 from daemon.store.base import Store
 
 log = structlog.get_logger()
-_DURABLE = (CheckpointType.AFTER_STEP, CheckpointType.AFTER_CONDITION)
+_DURABLE = (
+    CheckpointType.AFTER_STEP,
+    CheckpointType.AFTER_CONDITION,
+    CheckpointType.STEPS_STARTED,
+)
 _BROKEN = (EventStatus.SETUP_ERROR, EventStatus.TEARDOWN_ERROR)
+_EXECUTING = ThreadStatus.EXECUTING
 
 
 @dataclass(eq=False, kw_only=True)
@@ -68,8 +72,8 @@ class Actor:
     # backend up on every Event it makes (the daemon runs on asyncio only).
     #: Set once the actor has exited (a repair waits for it).
     done: asyncio.Event = field(default_factory=asyncio.Event)
-    #: The step in flight, for `show`.
-    running_step: StepRun | None = None
+    #: The steps in flight while the workflow resumes, for `show` and `list`.
+    pool: StepPool | None = None
     _scope: anyio.CancelScope | None = None
     _interruptible: bool = False
     #: The current wait ends when work is queued (a broken wait's retry, not a step's).
@@ -85,7 +89,12 @@ class Actor:
     @property
     def busy(self) -> bool:
         """Tell whether the actor is working, rather than sleeping until a retry is due."""
-        return not self._interruptible
+        return not self._interruptible and not (self.pool is not None and self.pool.resting)
+
+    @property
+    def running(self) -> list[tuple[str, StepRun]]:
+        """Return the steps running now, with their thread ids."""
+        return list(self.pool.running.items()) if self.pool is not None else []
 
     def interrupt(self) -> None:
         """Stop the running step or retry wait because a cancel is coming."""
@@ -106,6 +115,8 @@ class Actor:
         self._stop = True
         if self._scope is not None and self._interruptible:
             self._scope.cancel()
+        if self.pool is not None:
+            self.pool.stop()
 
     async def run(self) -> None:
         """Process queued items and resume the workflow until it blocks."""
@@ -213,6 +224,8 @@ class Actor:
         self._scope, self._interruptible, self._takes_items = None, False, False
 
     async def _save(self, loaded: Loaded) -> None:
+        # Taken before the write: steps still running note their history meanwhile.
+        history, self._history = self._history, []
         await self.store.checkpoint(
             self.workflow_id,
             status=loaded.state.status.value,
@@ -221,10 +234,10 @@ class Actor:
             error=loaded.error,
             attempt=loaded.attempt,
             next_run_at=loaded.next_run_at,
-            history=self._history,
+            history=history,
             inbox_done=[item.inbox_id for item in self._unsaved if item.inbox_id is not None],
         )
-        self._history, self._unsaved = [], []
+        self._unsaved = []
         if loaded.state.status in FINAL_STATUSES:
             self.on_ended(self.workflow_id)
 
@@ -240,19 +253,37 @@ class Actor:
         async def checkpoint(kind: CheckpointType) -> None:
             await self._checkpoint(loaded, kind)
 
-        async def step_of_thread(step: Step) -> None:
-            thread = _thread_at(loaded.state, step.name, ThreadStatus.EXECUTING)
-            await self._run_step(step, loaded.wf, thread)
+        # Failed attempts stored before a restart count for the threads that were running.
+        attempts = {t.id: loaded.attempt for t in loaded.state.threads if t.status is _EXECUTING}
+
+        async def on_retry(detail: dict[str, Any], attempt: int, error: str, due: float) -> None:
+            await self._retry_due(loaded, detail, attempt, error, due)
 
         with anyio.CancelScope() as self._scope:
             try:
-                await resume(loaded.wf, loaded.state, checkpoint, run_step=step_of_thread)
-            except StepFailed as e:
-                await self._step_failed(loaded, e)
-                return
-            except WorkflowdError as e:
+                async with StepPool(
+                    limiter=self.limiter,
+                    clock=self.clock,
+                    settings=self.settings,
+                    note=self._note,
+                    on_retry=on_retry,
+                    attempts=attempts,
+                    observe=self._observe_step,
+                ) as self.pool:
+                    if self._stop:  # shutdown began while this resume was being set up
+                        self.pool.stop()
+                    await resume(
+                        loaded.wf,
+                        loaded.state,
+                        checkpoint,
+                        steps=self.pool,
+                        on_conflict=self._conflict,
+                    )
+            except WorkflowdError as e:  # StepFailed (for good) among them
                 await self._fail(await self._reload(), str(e))
                 return
+            finally:
+                self.pool = None
         self._scope = None
         if self._cancelling:
             return
@@ -298,59 +329,32 @@ class Actor:
                     return
         # The wait was handled, torn down or set up again meanwhile: nothing to record.
 
-    async def _run_step(self, step: Step, data: Workflow, thread: str | None = None) -> None:
-        self.running_step = run = StepRun(step.name)
-        outcome = "cancelled"
-
-        def note(kind: str, detail: dict[str, Any]) -> None:
-            self._note(kind, {**detail, "thread": thread} if thread else detail)
-
-        try:
-            await run_step(step, limiter=self.limiter, note=note, run=run, data=data)
-            outcome = "done"
-        except Exception:
-            outcome = "failed"
-            raise
-        finally:
-            self.running_step = None
-            if self.metrics is not None:
-                self.metrics.step(self._workflow, step.name, outcome, time.monotonic() - run.began)
-
     def _note(self, kind: str, detail: dict[str, Any]) -> None:
         self._history.append((kind, detail))
 
-    async def _step_failed(self, loaded: Loaded, e: StepFailed) -> None:
-        step = Definition(loaded.wf.definition()).steps.get(e.step)
-        policy = (step.retry if step is not None else None) or Retry()
-        fresh = await self._reload()
-        attempt = fresh.attempt + 1
-        limit = (
-            policy.max_attempts
-            if policy.max_attempts is not None
-            else self.settings.retry_max_attempts
-        )
-        fatal = isinstance(e.cause, (NonRetryableError, *policy.non_retryable))
-        detail: dict[str, Any] = {"step": e.step, "error": str(e), "attempt": attempt}
-        thread = _thread_at(loaded.state, e.step, ThreadStatus.EXECUTING)
-        if thread:
-            detail["thread"] = thread
-        if fatal or (limit and attempt >= limit):
-            log.warning("step_failed", step=e.step, error=str(e), attempt=attempt, final=True)
-            self._history.append(("step_failed", detail))
-            await self._fail(fresh, str(e))
-            return
-        delay = self._backoff(attempt, policy)
-        fresh.attempt, fresh.error = attempt, str(e)
-        fresh.next_run_at = self.clock.now() + delay
-        log.warning("step_failed", step=e.step, error=str(e), attempt=attempt, retry_in_s=delay)
+    def _observe_step(self, step: str, outcome: str, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.step(self._workflow, step, outcome, seconds)
+
+    def _conflict(self, path: str, step: str, thread_id: str) -> None:
+        field = path.split(".", 1)[0].split("[", 1)[0]
+        log.warning("step_merge_conflict", field=field, path=path, step=step, thread=thread_id)
+        self._note("step_merge_conflict", {"field": field, "path": path, "step": step})
+
+    async def _retry_due(
+        self, loaded: Loaded, detail: dict[str, Any], attempt: int, error: str, due: float
+    ) -> None:
+        """Store that a thread's step failed and when it runs again; the others go on."""
+        loaded.attempt, loaded.error = attempt, error
+        # The history noted so far goes first, so entries keep their order.
+        history, self._history = [*self._history, ("step_failed", detail)], []
         await self.store.set_status(
             self.workflow_id,
-            status=fresh.state.status.value,
-            error=fresh.error,
+            status=loaded.state.status.value,
+            error=error,
             attempt=attempt,
-            next_run_at=fresh.next_run_at,
-            # What the failed attempt noted (a command's output) is kept with its failure.
-            history=[*self._history, ("step_failed", {**detail, "retry_in_s": delay})],
+            next_run_at=due,
+            history=history,
         )
         self._history = []
 

@@ -428,9 +428,13 @@ class Runtime:
             created_at=row.created_at,
         )
         out.update(await composition(self.store, row))
-        actor = self.scheduler.actor(workflow_id)
-        if actor is not None and actor.running_step is not None:
-            out["running_step"] = actor.running_step.shown()
+        running = actor.running if (actor := self.scheduler.actor(workflow_id)) else []
+        if running:
+            out["running_step"] = running[0][1].shown()
+        out["running"] = [
+            {"thread_id": thread_id, "step": run.step, "since": run.since}
+            for thread_id, run in running
+        ]
         if self.scheduler.hold.holds(workflow_id):
             out["held"] = True
         if row.attempt and row.next_run_at is not None:
@@ -513,6 +517,7 @@ class Runtime:
             raise Unavailable("workflowd is shutting down")
 
     def _summary(self, row: WorkflowRow) -> dict[str, Any]:
+        actor = self.scheduler.actor(row.id)
         waiting: builtins.list[str] = []
         try:
             state = State.from_json(row.state)
@@ -533,6 +538,7 @@ class Runtime:
             "error": row.error,
             "incompatible": self.scheduler.hold.incompatible.get(row.id),
             "parent": row.parent,
+            "running": [run.step for _, run in actor.running] if actor else [],
         }
 
 

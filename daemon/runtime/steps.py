@@ -33,6 +33,8 @@ class StepRun:
     step: str
     #: When the step began (time.monotonic()), slot wait included.
     began: float = field(default_factory=time.monotonic)
+    #: When (Unix seconds) the step began, slot wait included.
+    since: float = field(default_factory=time.time)
     #: Since when (Unix seconds) a sync step waits for one of `max_concurrent_steps` slots.
     queued_since: float | None = None
     #: Since when (Unix seconds) it runs.

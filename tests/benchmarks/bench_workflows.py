@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 
-from daemon import For, On, S, Section, Step, Wait, Workflow
+from daemon import For, Go, On, S, Section, Step, Wait, WaitFor, Workflow
 from handlers import Signal, Timer
 
 
@@ -79,3 +80,32 @@ class Stamp(Workflow):
 
     def definition(self) -> Section:
         return S(Step("stamp", self.stamp))
+
+
+@dataclass
+class FanSteps(Workflow):
+    """Starts `threads` Go threads; each runs `n` trivial sync steps, counting its own slot."""
+
+    threads: int = 64
+    n: int = 10
+    counts: list[int] = field(default_factory=list)
+
+    def inc(self, j: int) -> None:
+        self.counts[j] += 1
+
+    def start(self) -> None:
+        self.counts = [0] * self.threads
+
+    def definition(self) -> Section:
+        go = [
+            Go(
+                f"t{j}",
+                For(f"loop{j}", self.counts[j] < self.n, Step(f"inc{j}", partial(self.inc, j))),
+            )
+            for j in range(len(self.counts))
+        ]
+        return S(
+            Step("start", self.start),
+            *go,
+            WaitFor("joined", all(c >= self.n for c in self.counts)),
+        )

@@ -31,6 +31,7 @@ BENCHMARKS: list[str] = [
     "bench_fuzz",
     "bench_log",
     "bench_metrics",
+    "bench_fanout",
 ]
 
 KEYS = ("bench", "metric", "value", "unit", "target")

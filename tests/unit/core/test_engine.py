@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import pytest
@@ -43,6 +45,8 @@ from daemon import (
     resume,
     validate,
 )
+from daemon.core.engine import Done, call_action
+from daemon.core.merge import Fork
 from tests.helpers.support import Driver, Recorder
 
 
@@ -481,6 +485,89 @@ class TestThreads:
         assert [t.id for t in d.state.threads] == [MAIN_THREAD, "job:0", "job:1", "job:2"]
         await d.send("job_go", thread_id="job:1")
         assert [t.id for t in d.state.threads] == [MAIN_THREAD, "job:0", "job:2"]
+
+
+class Overlapping:
+    """A Steps that forks every started step at once and completes them all in reverse."""
+
+    def __init__(self) -> None:
+        self.forks: list[tuple[str, Fork]] = []
+
+    def start(self, thread_id: str, make_fork: Callable[[], Fork]) -> None:
+        self.forks.append((thread_id, make_fork()))
+
+    async def next(self) -> list[Done]:
+        done: list[Done] = []
+        for thread_id, f in reversed(self.forks):
+            try:
+                await call_action(f.step.action)
+            except RuntimeError as e:
+                done.append(Done(thread_id, failure=StepFailed(f.step.name, e)))
+                continue
+            f.finish()
+            done.append(Done(thread_id, f))
+        self.forks.clear()
+        return done
+
+
+@dataclass
+class Overlap(Workflow):
+    """Three threads that append, set their own key and all set `last`; one may fail."""
+
+    items: list[str] = field(default_factory=list)
+    own: dict[str, int] = field(default_factory=dict)
+    last: str = ""
+    fail: str = ""
+
+    def act(self, tag: str) -> None:
+        self.items.append(tag)
+        self.own[tag] = len(self.items)
+        self.last = tag
+        if tag == self.fail:
+            raise RuntimeError(f"{tag} broke")
+
+    def definition(self) -> Section:
+        return S(
+            *[Go(f"g{t}", Step(f"s{t}", partial(self.act, t))) for t in "abc"],
+            WaitFor("joined", len(self.own) == 3),
+        )
+
+
+class TestOverlappingSteps:
+    """Steps of several threads in flight at once, through an injected Steps."""
+
+    async def test_changes_merge_in_completion_order(self) -> None:
+        """Appends land in completion order, own keys all land, and `last` takes the last
+        completion's value with each overlapping change reported."""
+        wf, state, kinds = Overlap(), State.new("o", "Overlap"), []
+        conflicts: list[tuple[str, str, str]] = []
+
+        async def save(kind: CheckpointType) -> None:
+            kinds.append(kind)
+
+        def on_conflict(path: str, step: str, thread_id: str) -> None:
+            conflicts.append((path, step, thread_id))
+
+        await resume(wf, state, save, steps=Overlapping(), on_conflict=on_conflict)
+        assert state.status is WorkflowStatus.FINISHED
+        assert wf.items == ["c", "b", "a"]
+        assert wf.own == {"a": 1, "b": 1, "c": 1}  # each copy saw only its own append
+        assert wf.last == "a"
+        assert conflicts == [("last", "sb", "gb"), ("last", "sa", "ga")]
+        # Saved once the three started, then after they completed.
+        assert kinds.count(CheckpointType.STEPS_STARTED) == 1
+        assert kinds.index(CheckpointType.STEPS_STARTED) < kinds.index(CheckpointType.AFTER_STEP)
+
+    async def test_failed_step_changes_are_discarded(self) -> None:
+        """A step that raises fails `resume`; its changes never reach the data."""
+        wf, state = Overlap(fail="b"), State.new("o", "Overlap")
+
+        async def save(kind: CheckpointType) -> None:
+            return None
+
+        with pytest.raises(StepFailed, match="b broke"):
+            await resume(wf, state, save, steps=Overlapping())
+        assert "b" not in wf.items and "b" not in wf.own
 
 
 class TestWaitFor:

@@ -1,0 +1,208 @@
+"""One workflow's steps in flight: one per thread, at the same time, each retried on its own."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any, Self
+
+import anyio
+import anyio.abc
+import structlog
+
+from daemon.clock import Clock
+from daemon.core.engine import Done
+from daemon.core.merge import Fork
+from daemon.core.statements import NonRetryableError, Retry
+from daemon.errors import StepFailed
+from daemon.runtime.settings import Settings
+from daemon.runtime.steps import Note, StepRun, run_step
+
+log = structlog.get_logger()
+#: Records a retry that is due: its history entry, attempt, error and when it runs again.
+OnRetry = Callable[[dict[str, Any], int, str, float], Awaitable[None]]
+#: Told each attempt's end: the step, "done", "failed" or "cancelled", and its seconds.
+Observe = Callable[[str, str, float], None]
+
+
+class StepPool:
+    """Runs the engine's steps (daemon.core.engine.Steps) as tasks of its own task group.
+
+    A failing step is retried with backoff in its own task, against a fresh fork, while the
+    other threads' steps go on; one that fails for good is handed to the engine, which fails
+    the workflow, and leaving the pool cancels the rest (sync steps are abandoned). Use it as
+    `async with StepPool(...) as pool: await resume(..., steps=pool)`.
+    """
+
+    def __init__(
+        self,
+        *,
+        limiter: anyio.CapacityLimiter,
+        clock: Clock,
+        settings: Settings,
+        note: Note,
+        on_retry: OnRetry,
+        attempts: dict[str, int] | None = None,
+        observe: Observe | None = None,
+    ) -> None:
+        self._limiter, self._clock, self._settings = limiter, clock, settings
+        self._observe = observe
+        self._note, self._on_retry = note, on_retry
+        #: Failed attempts already made, by thread (from before a restart).
+        self._failed_before = attempts or {}
+        #: The steps running now, by thread id, for `show`.
+        self.running: dict[str, StepRun] = {}
+        self._backing_off: dict[str, anyio.CancelScope] = {}
+        #: Steps started but not yet running: the engine waits for one in `next`.
+        self._pending: list[tuple[str, Callable[..., Fork]]] = []
+        self._done: list[Done] = []
+        self._error: BaseException | None = None
+        # asyncio's event, not anyio's: one is made per wait, and anyio's costs a lookup.
+        self._wake = asyncio.Event()
+        #: Steps between their first attempt and their end (retry waits included).
+        self._flight = 0
+        self._stopping = False
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    async def __aenter__(self) -> Self:
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        assert self._tg is not None
+        # Steps still in flight when the engine is done (a step failed for good, the workflow
+        # finished or was cancelled) are not wanted any more.
+        self._tg.cancel_scope.cancel()
+        # Told nothing of `exc`, the group only waits for its tasks: it would wrap `exc` in an
+        # ExceptionGroup, and the engine's StepFailed must reach the actor as it is.
+        await self._tg.__aexit__(None, None, None)
+        return None
+
+    @property
+    def resting(self) -> bool:
+        """Tell whether every step in flight waits for its retry (none runs)."""
+        return self._flight > 0 and not self.running and len(self._backing_off) == self._flight
+
+    def stop(self) -> None:
+        """Start no more steps, and end the retry waits (shutdown); running steps go on."""
+        self._stopping = True
+        for scope in self._backing_off.values():
+            scope.cancel()
+
+    def start(self, thread_id: str, make_fork: Callable[..., Fork]) -> None:
+        """Take a thread's step to run (or, when stopping, report it not run)."""
+        if self._stopping:
+            self._report(Done(thread_id))
+        else:
+            self._pending.append((thread_id, make_fork))
+
+    async def next(self) -> list[Done]:
+        """Wait until some step has ended; return every one that has, in the order they did.
+
+        A step that is the only one in flight runs right here, on the live data: nothing can
+        overlap it, and a task and a copy per step would only cost time.
+        """
+        if self._stopping:  # stopped while the engine was checkpointing: run none of them
+            for thread_id, _ in self._pending:
+                self._report(Done(thread_id))
+            self._pending.clear()
+        if self._pending and not self._done:
+            if len(self._pending) == 1 and self._flight == 0:
+                thread_id, make_fork = self._pending.pop()
+                return [await self._attempts_of(thread_id, make_fork, alone=True)]
+            assert self._tg is not None
+            for thread_id, make_fork in self._pending:
+                self._tg.start_soon(self._run, thread_id, make_fork)
+            self._pending.clear()
+        while not self._done and self._error is None:
+            self._wake.clear()
+            await self._wake.wait()
+        if self._error is not None:
+            raise self._error
+        done, self._done = self._done, []
+        return done
+
+    def _report(self, done: Done) -> None:
+        self._done.append(done)
+        self._wake.set()
+
+    async def _run(self, thread_id: str, make_fork: Callable[..., Fork]) -> None:
+        try:
+            self._report(await self._attempts_of(thread_id, make_fork))
+        except Exception as e:  # noqa: BLE001 - e.g. the retry not stored: the engine raises it
+            self._error = e
+            self._wake.set()
+
+    async def _attempts_of(
+        self, thread_id: str, make_fork: Callable[..., Fork], *, alone: bool = False
+    ) -> Done:
+        self._flight += 1
+        try:
+            return await self._attempts(thread_id, make_fork, alone)
+        finally:
+            self._flight -= 1
+
+    async def _attempts(self, thread_id: str, make_fork: Callable[..., Fork], alone: bool) -> Done:
+        attempt = self._failed_before.pop(thread_id, 0)
+        while True:
+            # A fresh fork each attempt: other threads' changes may have landed meanwhile.
+            f = make_fork(alone=alone)
+            step = f.step
+            self.running[thread_id] = run = StepRun(step.name)
+            outcome = "cancelled"
+
+            def note(kind: str, detail: dict[str, Any]) -> None:
+                self._note(kind, {**detail, "thread": thread_id})
+
+            try:
+                await run_step(step, limiter=self._limiter, note=note, run=run, data=f.copy)
+                f.finish()
+                outcome = "done"
+                return Done(thread_id, f)
+            except Exception as e:  # noqa: BLE001 - a step may raise anything: retried or failed
+                outcome = "failed"
+                f.discard()
+                failure = StepFailed(step.name, e)
+            finally:
+                del self.running[thread_id]
+                if self._observe is not None:
+                    self._observe(step.name, outcome, time.monotonic() - run.began)
+            attempt += 1
+            policy = step.retry or Retry()
+            limit = policy.max_attempts
+            if limit is None:
+                limit = self._settings.retry_max_attempts
+            detail: dict[str, Any] = {
+                "step": step.name,
+                "error": str(failure),
+                "attempt": attempt,
+                "thread": thread_id,
+            }
+            if isinstance(failure.cause, (NonRetryableError, *policy.non_retryable)) or (
+                limit and attempt >= limit
+            ):
+                log.warning("step_failed", **detail, final=True)
+                self._note("step_failed", detail)
+                return Done(thread_id, failure=failure)
+            delay = self._settings.backoff(attempt, policy.initial_s, policy.max_s)
+            log.warning("step_failed", **detail, retry_in_s=delay)
+            due = self._clock.now() + delay
+            await self._on_retry({**detail, "retry_in_s": delay}, attempt, str(failure), due)
+            if self._stopping:
+                return Done(thread_id)
+            with anyio.CancelScope() as scope:
+                self._backing_off[thread_id] = scope
+                try:
+                    await self._clock.sleep_until(due)
+                finally:
+                    del self._backing_off[thread_id]
+            if scope.cancelled_caught:
+                return Done(thread_id)  # stopping: it runs again after the restart
