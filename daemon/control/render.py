@@ -216,6 +216,13 @@ def describe(result: dict[str, Any], style: Style = PLAIN, now: float | None = N
         since = running.get("for_s")
         took = f" for {span(since)}" if isinstance(since, int | float) else ""
         lines.append(f"step     {cell(running.get('step'))}: {how}{took}")
+    in_flight = result.get("running")
+    if isinstance(in_flight, list) and len(in_flight) > 1:  # Go threads' steps at once
+        for run in in_flight[1:]:
+            if isinstance(run, dict):
+                lines.append(
+                    f"step     {cell(run.get('step'))} (thread {cell(run.get('thread_id'))})"
+                )
     retry = result.get("retry")
     if isinstance(retry, dict):
         limit = retry.get("max_attempts")
