@@ -435,7 +435,9 @@ def wait(client: Client, out: Output, ids: list[str], *, any: bool, timeout: flo
 def list_workflows(args: argparse.Namespace, client: Client, out: Output) -> int:
     """List workflows; a list cut at --limit says so (on stderr, so pipes get rows only)."""
     ask = args.limit + 1 if args.limit < MAX_LIMIT else args.limit  # one more: is it cut?
-    rows = client.call("list", status=args.status, workflow=args.workflow, limit=ask)
+    rows = client.call(
+        "list", status=args.status, workflow=args.workflow, limit=ask, parent=args.parent
+    )
     if args.since is not None:  # rows come newest first: the recent ones are a prefix
         cutoff = time.time() - args.since
         rows = [r for r in rows if (r.get("updated_at") or 0) >= cutoff]

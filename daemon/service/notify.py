@@ -11,6 +11,8 @@ from typing import Self
 import anyio
 import structlog
 
+from daemon.service.log import flush_logs
+
 log = structlog.get_logger(__name__)
 
 _ENV_KEYS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
@@ -62,6 +64,8 @@ class Notifier:
 
     def ready(self) -> bool:
         """Tell systemd start-up (or a reload) is complete."""
+        # What was logged before a change of state is in the log before systemd hears of it.
+        flush_logs()
         return self.send("READY=1")
 
     def status(self, text: str) -> bool:
@@ -70,11 +74,13 @@ class Notifier:
 
     def stopping(self) -> bool:
         """Tell systemd we are shutting down."""
+        flush_logs()
         return self.send("STOPPING=1")
 
     def reloading(self) -> bool:
         """Tell systemd a reload started; send `ready()` once it is done."""
         usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        flush_logs()
         return self.send(f"RELOADING=1\nMONOTONIC_USEC={usec}")
 
     def watchdog(self) -> bool:
