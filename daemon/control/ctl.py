@@ -211,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--status")
     p.add_argument("--workflow", metavar="NAME")
     p.add_argument("--limit", type=int, default=100)
+    p.add_argument("--cursor", help="the next page of a cut list (the cursor it printed)")
     for name, help in [("show", "show a workflow"), ("cancel", "cancel a workflow")]:
         command(name, help).add_argument("workflow_id", metavar="ID")
     p = command("history", "show a workflow's history")
@@ -465,6 +466,8 @@ def run(args: argparse.Namespace, path: Path) -> int:
             if svg:
                 result = to_svg(str(result))
             print(compact(result) if args.json else show(command_of(args), result))
+            if isinstance(response.get("cursor"), str) and not args.json:  # --json stays rows
+                print(f"more: workflowctl list --cursor {response['cursor']}")
             if args.command == "lint" and any(f.get("level") == "error" for f in result or []):
                 return EXIT_ERROR
             if args.command == "reload" and not (result or {}).get("reloaded"):

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import base64
 import functools
 import importlib.metadata
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol, assert_never
 
+import msgspec
+
 from daemon.control import protocol as proto
-from daemon.errors import Unavailable
+from daemon.errors import BadRequest, Unavailable
 
 #: Writes one extra response line (a streamed log record) before the final answer.
 Reply = Callable[[dict[str, Any]], Awaitable[None]]
 Records = list[dict[str, Any]]  # `list` is shadowed inside Backend
+#: Where a listing stopped: the last row's (updated_at, rowid) for the daemon's store.
+Position = tuple[float, int]
 
 
 class Backend(Protocol):
@@ -35,6 +40,14 @@ class Backend(Protocol):
     async def list(
         self, *, status: str | None = None, workflow: str | None = None, limit: int = 100
     ) -> Records: ...
+    async def page(
+        self,
+        *,
+        status: str | None = None,
+        workflow: str | None = None,
+        limit: int = 100,
+        after: Position | None = None,
+    ) -> tuple[Records, Position | None]: ...
     async def show(self, workflow_id: str) -> dict[str, Any]: ...
     async def history(self, workflow_id: str, *, limit: int = 1000) -> Records: ...
     async def cancel(self, workflow_id: str) -> dict[str, Any]: ...
@@ -126,7 +139,7 @@ class Dispatcher:
             case proto.Send():
                 return await self._send(req)
             case proto.List():
-                return await b.list(status=req.status, workflow=req.workflow, limit=req.limit)
+                return await self._list(req)
             case proto.Show():
                 return await b.show(req.workflow_id)
             case proto.History():
@@ -201,6 +214,16 @@ class Dispatcher:
             raise Unavailable("this server does not offer reload or backup")
         return self._ops
 
+    async def _list(self, req: proto.List) -> proto.Page:
+        status, workflow, after = req.status, req.workflow, None
+        if req.cursor is not None:
+            status, workflow, after = _listing_of(req)
+        rows, position = await self._backend.page(
+            status=status, workflow=workflow, limit=req.limit, after=after
+        )
+        cursor = None if position is None else _cursor(status, workflow, position)
+        return proto.Page(rows, cursor)
+
     async def _send(self, req: proto.Send) -> Any:
         result = await self._backend.send(
             req.workflow_id, req.event, req.input, thread_id=req.thread_id, pc=req.pc, wait=req.wait
@@ -212,3 +235,32 @@ class Dispatcher:
             async for record in records:
                 await reply(proto.log_line(req.id, record))
         return {"end": True}
+
+
+_CURSOR_PREFIX = "c1."
+_Listing = tuple[float, int, str | None, str | None]
+
+
+def _cursor(status: str | None, workflow: str | None, position: Position) -> str:
+    """Return the opaque cursor of a listing's next page: its filters and where it stopped."""
+    listing: _Listing = (*position, status, workflow)
+    return _CURSOR_PREFIX + base64.urlsafe_b64encode(msgspec.json.encode(listing)).decode()
+
+
+def _listing_of(req: proto.List) -> tuple[str | None, str | None, Position]:
+    """Return the filters and position of `req.cursor`; BadRequest if it is not one of ours."""
+    text = req.cursor or ""
+    try:
+        if not text.startswith(_CURSOR_PREFIX):
+            raise ValueError(text)
+        raw = base64.urlsafe_b64decode(text[len(_CURSOR_PREFIX) :].encode())
+        at, rowid, status, workflow = msgspec.json.decode(raw, type=_Listing)
+    except (ValueError, msgspec.MsgspecError):
+        raise BadRequest("`cursor` is not a cursor a `list` answered") from None
+    for field, given, kept in (
+        ("status", req.status, status),
+        ("workflow", req.workflow, workflow),
+    ):
+        if given is not None and given != kept:
+            raise BadRequest(f"`{field}` differs from the listing the cursor belongs to")
+    return status, workflow, (at, rowid)

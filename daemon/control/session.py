@@ -204,6 +204,7 @@ def _decode(line: bytes) -> proto.AnyRequest | proto.ProtocolError:
     try:
         request: proto.AnyRequest = _requests.decode(line)
         proto.check_nesting(line, request)
+        proto.check_names(request)
         return request
     except proto.ProtocolError as e:
         return e

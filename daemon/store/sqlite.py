@@ -29,6 +29,7 @@ from daemon.store.base import (
     History,
     HistoryRow,
     InboxRow,
+    Position,
     ScheduleRow,
     WorkflowRow,
 )
@@ -233,13 +234,24 @@ class SQLiteStore:
         self, *, status: str | None = None, name: str | None = None, limit: int = 100
     ) -> builtins.list[WorkflowRow]:
         """Return up to `limit` workflows, most recently updated first."""
-        where = " AND ".join(
-            c for c, v in (("status = ?", status), ("name = ?", name)) if v is not None
-        )
-        params = [v for v in (status, name) if v is not None]
-        sql = f"SELECT {schema.COLS} FROM workflows {'WHERE ' + where if where else ''}"
-        rows = await self._read(f"{sql} ORDER BY updated_at DESC LIMIT ?", [*params, limit])
-        return [WorkflowRow(*r) for r in rows]
+        rows, _ = await self.page(status=status, name=name, limit=limit)
+        return rows
+
+    async def page(
+        self,
+        *,
+        status: str | None = None,
+        name: str | None = None,
+        limit: int = 100,
+        after: Position | None = None,
+    ) -> tuple[builtins.list[WorkflowRow], Position | None]:
+        """Return up to `limit` workflows after `after`, newest first, and where to go on."""
+        sql, params = schema.list_query(status, name, after)
+        rows = await self._read(sql, [*params, limit + 1])
+        more = len(rows) > limit
+        rows = rows[:limit]
+        position = (rows[-1][-2], rows[-1][-1]) if more else None
+        return [WorkflowRow(*r[:-1]) for r in rows], position
 
     async def unfinished(self, *, page: int = 1000) -> AsyncIterator[WorkflowRow]:
         """Yield every workflow not in a final status, reading `page` rows at a time."""
