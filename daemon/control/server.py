@@ -22,6 +22,9 @@ from daemon.control.wire import Wire
 
 log = structlog.get_logger()
 
+#: How long an allowed client waits for a slot before it is refused `unavailable`.
+ADMIT_WAIT_S = 1.0
+
 
 async def serve(
     backend: Backend,
@@ -34,6 +37,8 @@ async def serve(
     max_request_bytes: int = proto.MAX_REQUEST_BYTES,
     max_connections: int = 256,
     idle_timeout: float = 300.0,
+    max_in_flight: int = 16,
+    max_buffered_bytes: int = 4 << 20,
     repairs: RepairTools | None = None,
     ops: DaemonOps | None = None,
     schedules: ScheduleTools | None = None,
@@ -50,6 +55,8 @@ async def serve(
         max_request_bytes=max_request_bytes,
         max_connections=max_connections,
         idle_timeout=idle_timeout,
+        max_in_flight=max_in_flight,
+        max_buffered_bytes=max_buffered_bytes,
     )
     created: os.stat_result | None = None
     if listener is None:
@@ -75,7 +82,9 @@ class Server:
     gids: set[int] = field(default_factory=set)
     max_conns: int = 256
     limits: Limits = field(default_factory=Limits)
-    active: int = 0
+    #: The admitted connections that have not been seen to hang up.
+    live: set[Wire] = field(default_factory=set)
+    _freed: anyio.Event = field(default_factory=anyio.Event)
     in_flight: InFlight = field(default_factory=InFlight)
     _accepting: anyio.CancelScope = field(default_factory=anyio.CancelScope)
 
@@ -87,12 +96,15 @@ class Server:
         max_request_bytes: int,
         max_connections: int,
         idle_timeout: float,
+        max_in_flight: int = 16,
+        max_buffered_bytes: int = 4 << 20,
     ) -> None:
         """Apply new allow-lists and limits (a reload); open connections get the new limits."""
         self.uids = {0, os.getuid(), *allowed_uids}
         self.gids = {sockfile.group_id(g) for g in allowed_groups}
         self.max_conns = max_connections
         self.limits.max_bytes, self.limits.idle = max_request_bytes, idle_timeout
+        self.limits.max_in_flight, self.limits.max_buffered = max_in_flight, max_buffered_bytes
 
     async def accept_loop(self, listener: anyio.abc.SocketListener) -> None:
         """Accept clients until `wind_down`; running out of file descriptors must not stop it."""
@@ -130,22 +142,46 @@ class Server:
             wire.close()
 
     async def _admit(self, sock: socket.socket, wire: Wire) -> None:
-        if self.active >= self.max_conns:
+        # Who it is comes first: a refused peer never holds a slot, so a flood of them cannot
+        # crowd allowed clients out.
+        pid, uid, gid = sockfile.peer_credentials(sock)
+        if not await self._allowed(uid, gid):
+            log.warning("control_forbidden", uid=uid, gid=gid, pid=pid)
+            await self._say(wire, error(None, "forbidden", f"uid {uid} may not use workflowd"))
+            return
+        if not await self._take_slot():
             await self._say(wire, error(None, "unavailable", "too many connections"))
             return
-        self.active += 1
+        self.live.add(wire)
         try:
-            pid, uid, gid = sockfile.peer_credentials(sock)
-            if not await self._allowed(uid, gid):
-                log.warning("control_forbidden", uid=uid, gid=gid, pid=pid)
-                await self._say(wire, error(None, "forbidden", f"uid {uid} may not use workflowd"))
-                return
             session = Session(
                 wire, uid, dispatch=self.dispatch, limits=self.limits, in_flight=self.in_flight
             )
             await session.run()
         finally:
-            self.active -= 1
+            self.live.discard(wire)
+            self._freed.set()
+
+    @property
+    def active(self) -> int:
+        """Return how many admitted clients count against max_connections."""
+        return len(self.live)
+
+    async def _take_slot(self) -> bool:
+        """Wait up to ADMIT_WAIT_S for fewer than max_connections live clients; False if not.
+
+        Clients that already hung up do not count, though the loop may not have read their
+        last bytes yet: a burst of short-lived clients leaves the slots of the gone ones free.
+        """
+        if len(self.live) >= self.max_conns:
+            # Their sessions still answer what they sent before leaving (a `send` then a
+            # close), but they no longer count.
+            self.live.difference_update([w for w in self.live if w.hung_up()])
+        with anyio.move_on_after(ADMIT_WAIT_S):
+            while len(self.live) >= self.max_conns:
+                self._freed = anyio.Event()
+                await self._freed.wait()
+        return len(self.live) < self.max_conns
 
     async def _allowed(self, uid: int, gid: int) -> bool:
         if uid in self.uids or gid in self.gids:

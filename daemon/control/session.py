@@ -19,8 +19,10 @@ from daemon.errors import WorkflowdError
 
 log = structlog.get_logger()
 
-#: Requests one connection may have in flight; the reader waits (backpressure) beyond that.
-MAX_IN_FLIGHT = 64
+#: What follows an oversized line is read and dropped for up to this long, then closed.
+DRAIN_S = 1.0
+#: ... or until this many bytes were dropped.
+DRAIN_BYTES = 16 << 20
 
 #: Decodes a valid request in one pass; anything it refuses goes through decode_request,
 #: whose errors explain what is wrong (converting a decoded dict costs ~20 µs a request).
@@ -39,8 +41,13 @@ class Limits:
 
     #: The longest request line.
     max_bytes: int = proto.MAX_REQUEST_BYTES
-    #: Seconds a connection may sit idle, or take to read an answer.
+    #: Seconds a connection may sit idle, take to send a whole request line, or take to read
+    #: an answer.
     idle: float = 300.0
+    #: Requests one connection may have in flight; the reader waits (backpressure) beyond that.
+    max_in_flight: int = 16
+    #: Unread output past which a connection is dropped (one answer alone may be larger).
+    max_buffered: int = 4 << 20
 
 
 class InFlight:
@@ -100,11 +107,15 @@ class Session:
                 if len(line) > self._limits.max_bytes:
                     message = f"request line over {self._limits.max_bytes} bytes"
                     await self.reply(error(None, "too_large", message))
+                    # A client still sending would get EPIPE before reading why: drop the
+                    # rest of its line first (a lingering close, as web servers do for 413).
+                    if b"\n" not in line and not self.wire.lost:
+                        await self.wire.drain_line(DRAIN_BYTES, DRAIN_S)
                     self.tg.cancel_scope.cancel()
                     return
                 if line.strip():
                     req = _decode(line)
-                    while self.in_flight >= MAX_IN_FLIGHT:
+                    while self.in_flight >= self._limits.max_in_flight:
                         self.room = anyio.Event()
                         await self.room.wait()
                     self.in_flight += 1
@@ -138,8 +149,14 @@ class Session:
             req = await parked
 
     async def _next_line(self) -> bytes | None:
-        """Return the next line (too long if over the limit), or None once idle or gone."""
+        """Return the next line (too long if over the limit), or None once idle or gone.
+
+        The idle timeout bounds the whole line, not the gap between its bytes: a client that
+        trickles a byte at a time is closed as one that sends nothing. While answers are owed
+        and no line is begun, the connection is not idle.
+        """
         wire = self.wire
+        deadline = wire.loop.time() + self._limits.idle
         while True:
             line = wire.line(self._limits.max_bytes)
             if line is not None:
@@ -150,8 +167,14 @@ class Session:
             if wire.lost:
                 self.tg.cancel_scope.cancel()  # the peer is gone: nobody to answer
                 return None
-            if not await wire.readable(self._limits.idle) and not self.in_flight:
+            left = deadline - wire.loop.time()
+            if left > 0 and await wire.readable(left):
+                continue
+            if wire.data or not self.in_flight:
+                if wire.data:
+                    log.info("control_request_timeout", buffered=len(wire.data))
                 return None
+            deadline = wire.loop.time() + self._limits.idle
 
     async def _answer(self, req: proto.AnyRequest | proto.ProtocolError) -> None:
         try:
@@ -187,7 +210,19 @@ class Session:
             message = "the result cannot be encoded as JSON"
             data = encode(error(response.get("id"), "internal", message))
         wire = self.wire
+        unread = wire.unread()
         if not wire.write(data):
+            self.tg.cancel_scope.cancel()
+            return
+        if unread and unread + len(data) > self._limits.max_buffered:
+            # A client that sends but never reads would cost the daemon its every answer.
+            log.warning(
+                "control_client_dropped",
+                reason="unread output over max_buffered_bytes",
+                unread_bytes=unread + len(data),
+                uid=self.uid,
+            )
+            wire.abort()
             self.tg.cancel_scope.cancel()
             return
         if wire.lost:

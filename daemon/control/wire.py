@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 
 
@@ -110,6 +111,49 @@ class Wire(asyncio.Protocol):
         finally:
             timer.cancel()
             self._readable = None
+
+    async def drain_line(self, max_bytes: int, limit_s: float) -> None:
+        """Read and drop bytes up to the end of the line, EOF, `max_bytes` or `limit_s`."""
+        deadline = self.loop.time() + limit_s
+        dropped = 0
+        self._limit = 1 << 16
+        while not (self.eof or self.lost):
+            end = self.data.find(b"\n")
+            if end >= 0:
+                del self.data[: end + 1]
+                return
+            dropped += len(self.data)
+            self.data.clear()
+            if self._paused:
+                self._paused = False
+                self.transport.resume_reading()
+            left = deadline - self.loop.time()
+            if dropped >= max_bytes or left <= 0 or not await self.readable(left):
+                return
+
+    def unread(self) -> int:
+        """Return how many written bytes the kernel has not taken yet (the peer has not read)."""
+        return 0 if self.lost else self.transport.get_write_buffer_size()
+
+    def hung_up(self) -> bool:
+        """Tell whether the peer has closed its end entirely (its socket reports POLLHUP).
+
+        A peer that only half-closed still waits for its answers; one that closed is gone,
+        even if the loop has not read its last bytes yet.
+        """
+        if self.lost:
+            return True
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return True
+        poll = select.poll()
+        poll.register(sock.fileno(), select.POLLHUP)
+        return any(events & (select.POLLHUP | select.POLLERR) for _, events in poll.poll(0))
+
+    def abort(self) -> None:
+        """Drop the connection at once, with whatever it has not sent."""
+        self.lost = True
+        self.transport.abort()
 
     def write(self, data: bytes) -> bool:
         """Queue `data` for the peer; False if the connection is closing or gone."""

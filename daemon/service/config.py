@@ -38,6 +38,10 @@ class DaemonConfig:
     max_connections: int = _opt("int", 256, min=1)
     idle_timeout_s: float = _opt("float", 300.0, gt=0)
     shutdown_grace_s: float = _opt("float", 10.0, min=0)
+    #: Requests one connection may have in flight; it is read no further until one is answered.
+    max_in_flight: int = _opt("int", 16, min=1)
+    #: Unread output past which a connection is dropped (and logged).
+    max_buffered_bytes: int = _opt("int", 4 << 20, min=65_536)
 
 
 @dataclass(frozen=True)
