@@ -1,0 +1,211 @@
+"""The control socket under abuse: no client can take another's slots, memory or answers."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from tests.helpers.client import Client
+from tests.helpers.harness import REPO, Daemon, running_daemon
+from tests.helpers.support import needs_root
+from tests.helpers.wait import logged, wait_status
+
+MODULES = ["tests.workflows.control"]
+
+
+async def start_tally(c: Client, wid: str, **data: Any) -> None:
+    """Start a Tally and wait until it waits for its first event."""
+    await c.call("start", workflow="Tally", workflow_id=wid, input={"id": wid, **data})
+    await wait_status(c, wid, "Waiting")
+
+
+async def ping_ok(d: Daemon) -> bool:
+    """Ping on a connection of its own; True if the daemon served it."""
+    async with d.client() as c:
+        with anyio.fail_after(10):
+            return bool((await c.request("ping"))["ok"])
+
+
+#: Run as uid 65534: open connections for argv[2] seconds as fast as it can, never reading,
+#: keeping the newest 200 open; print "go" once the first is open.
+FLOOD_CHILD = """
+import socket, sys, time
+end = time.monotonic() + float(sys.argv[2])
+open_ = []
+while time.monotonic() < end:
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(sys.argv[1])
+    except OSError:
+        s.close()
+        continue
+    open_.append(s)
+    if len(open_) == 1:
+        print("go", flush=True)
+    if len(open_) > 200:
+        open_.pop(0).close()
+"""
+
+
+@needs_root
+async def test_forbidden_flood_holds_no_slot(short_tmp: Path) -> None:
+    """A forbidden uid flooding the socket with connections takes no slot from allowed ones."""
+    os.chmod(short_tmp, 0o777)  # let uid 65534 reach the socket
+    # A group allow-list makes the daemon look the stranger's groups up before refusing it.
+    conf = {"socket_mode": "0666", "max_connections": 2, "allowed_groups": [4242]}
+    async with running_daemon(short_tmp, MODULES, daemon=conf) as d:
+        drop = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+        child = [*drop, sys.executable, "-I", "-c", FLOOD_CHILD, str(d.socket), "4"]
+        async with await anyio.open_process(child, stderr=None) as flood:
+            try:
+                assert flood.stdout is not None
+                with anyio.fail_after(30):
+                    assert await flood.stdout.receive() == b"go\n"
+                served = [await ping_ok(d) for _ in range(40)]
+            finally:
+                flood.kill()
+        assert served == [True] * 40
+        await logged(d, "control_forbidden")
+
+
+async def test_slowloris_is_closed_after_the_idle_timeout(tmp_path: Path) -> None:
+    """Clients trickling a byte at a time are closed after idle_timeout_s for the whole line."""
+    conf = {"max_connections": 3, "idle_timeout_s": 1.0}
+    async with running_daemon(tmp_path, MODULES, daemon=conf) as d:
+        closed_after: list[float] = []
+
+        async def trickle() -> None:
+            began = time.monotonic()
+            async with await anyio.connect_unix(d.socket) as stream:
+                for byte in b'{"op": "ping", "id": 1' + b" " * 100:
+                    try:
+                        await stream.send(bytes([byte]))
+                    except (anyio.BrokenResourceError, ConnectionError):
+                        break
+                    # The gap between bytes is the behaviour under test: well under the timeout.
+                    await anyio.sleep(0.1)
+            closed_after.append(time.monotonic() - began)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(trickle)
+            await anyio.sleep(0.3)  # the tricklers hold every slot
+            with anyio.fail_after(8):
+                while not await ping_ok(d):
+                    pass  # a refusal waited ~1 s for a slot: no sleep needed
+        # 123 bytes at 0.1 s take 12 s: each was cut off once its line took 1 s.
+        assert len(closed_after) == 3 and max(closed_after) < 5, closed_after
+        await logged(d, "control_request_timeout", count=3)
+
+
+async def test_non_reader_is_dropped(tmp_path: Path) -> None:
+    """A client that asks for large answers and never reads them is dropped and logged."""
+    conf = {"max_buffered_bytes": 1 << 20}
+    async with running_daemon(tmp_path, MODULES, daemon=conf) as d, d.client() as c:
+        await start_tally(c, "big", label="x" * 300_000)
+        hog = socket.socket(socket.AF_UNIX)
+        hog.connect(str(d.socket))
+        hog.setblocking(False)
+        asks = b"".join(
+            json.dumps({"op": "show", "workflow_id": "big", "id": n}).encode() + b"\n"
+            for n in range(200)
+        )
+        try:
+            hog.send(asks)
+            (dropped,) = await logged(d, "control_client_dropped")
+            assert dropped["unread_bytes"] > 1 << 20
+            assert (await c.call("ping"))["workflows"] == {"Waiting": 1}
+            # What the kernel kept is a few answers; then the connection ends.
+            received = 0
+            with anyio.fail_after(10):
+                while True:
+                    try:
+                        chunk = hog.recv(1 << 20)
+                    except BlockingIOError:
+                        await anyio.sleep(0.01)
+                        continue
+                    except ConnectionError:
+                        break
+                    if not chunk:
+                        break
+                    received += len(chunk)
+            assert received < 40 * 300_000  # far from the 200 answers asked for
+        finally:
+            hog.close()
+
+
+def send_then_read(path: Path, line: bytes) -> bytes:
+    """Send `line` whole (an EPIPE would raise), then return the first response line."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(20)
+        s.connect(str(path))
+        s.sendall(line)
+        return s.makefile("rb").readline()
+
+
+async def test_oversized_line_is_answered_and_drained(tmp_path: Path) -> None:
+    """A 4 MiB line is read to its end before the close, so its sender reads `too_large`."""
+    async with running_daemon(tmp_path, MODULES) as d:
+        line = b'{"op": "ping", "pad": "' + b"x" * (4 << 20) + b'"}\n'
+        reply = await anyio.to_thread.run_sync(send_then_read, d.socket, line)
+        assert json.loads(reply)["error"]["code"] == "too_large"
+        assert await ping_ok(d)
+
+
+async def test_burst_of_closers_leaves_slots(tmp_path: Path) -> None:
+    """Many clients that connect, send a fragment or a line and close do not fill the slots."""
+    async with running_daemon(tmp_path, MODULES, daemon={"max_connections": 16}) as d:
+        for burst in range(5):
+            for n in range(300):
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(str(d.socket))
+                    s.sendall(b'{"op": "ping"}\n' if n % 2 else b'{"op": "pi')
+            async with d.client() as c:
+                response = await c.request("ping")
+            assert response["ok"], (burst, response)
+
+
+async def test_cron_of_300_workflowctl_sends(tmp_path: Path) -> None:
+    """300 `workflowctl send` processes started at the same instant all succeed."""
+    async with running_daemon(tmp_path, MODULES) as d, d.client() as c:
+        await start_tally(c, "t")
+        gate = tmp_path / "gate"
+        os.mkfifo(gate)
+        ctl = [sys.executable, "-m", "daemon.control.ctl", "--socket", str(d.socket)]
+        send = " ".join([*ctl, "send", "t", "add", "--input", "1"])
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        # Each waits on the FIFO: closing its writer starts all 300 at once, like a cron.
+        procs = [
+            await anyio.open_process(
+                ["sh", "-c", f"read _ < {gate}; exec {send} 2>{tmp_path}/err{n}"],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=None,
+                env=env,
+            )
+            for n in range(300)
+        ]
+        try:
+            fd = await anyio.to_thread.run_sync(os.open, str(gate), os.O_WRONLY)
+            os.close(fd)
+            with anyio.fail_after(240):
+                codes = [await p.wait() for p in procs]
+        finally:
+            for p in procs:
+                if p.returncode is None:
+                    p.kill()
+                    await p.wait()
+        failed = [
+            (code, (tmp_path / f"err{n}").read_text()) for n, code in enumerate(codes) if code
+        ]
+        assert failed == []
+        assert (await c.call("show", workflow_id="t"))["data"]["total"] == 300
