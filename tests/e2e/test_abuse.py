@@ -211,3 +211,90 @@ async def test_cron_of_300_workflowctl_sends(tmp_path: Path) -> None:
         ]
         assert failed == []
         assert (await c.call("show", workflow_id="t"))["data"]["total"] == 300
+
+
+async def test_list_pages_with_a_cursor(tmp_path: Path) -> None:
+    """`list` answers `limit` rows and a `cursor`; the pages cover every workflow once."""
+    async with running_daemon(tmp_path, MODULES) as d, d.client() as c:
+        wids = [f"t{n:02d}" for n in range(25)]
+        for wid in wids:
+            await start_tally(c, wid)
+        first = await c.request("list", limit=10)
+        assert first["ok"] and len(first["result"]) == 10 and isinstance(first["cursor"], str)
+        # Workflows change while the listing goes on: none is listed twice.
+        for wid in (first["result"][0]["workflow_id"], "t00"):
+            assert await c.call("send", workflow_id=wid, event="add", input=1) == 1
+        seen = [r["workflow_id"] for r in first["result"]]
+        response = first
+        while "cursor" in response:
+            response = await c.request("list", cursor=response["cursor"], limit=10)
+            assert response["ok"], response
+            seen += [r["workflow_id"] for r in response["result"]]
+        assert len(seen) == len(set(seen))
+        assert set(wids) - set(seen) <= {"t00"}  # t00 moved ahead of the page being read
+        # The cursor keeps its listing's filters; another filter, or a forged cursor, is refused.
+        tallies = await c.request("list", workflow="Tally", limit=1)
+        assert (await c.request("list", cursor=tallies["cursor"]))["result"][0]["workflow"] == (
+            "Tally"
+        )
+        for fields in (
+            {"cursor": tallies["cursor"], "workflow": "Hold"},
+            {"cursor": "c1.bm9wZQ=="},
+            {"cursor": "garbage"},
+            {"limit": 1001},
+        ):
+            response = await c.request("list", **fields)
+            assert response["error"]["code"] == "bad_request", (fields, response)
+        everything = await c.request("list", limit=1000)
+        assert len(everything["result"]) == 25 and "cursor" not in everything
+        ctl = [sys.executable, "-m", "daemon.control.ctl", "--socket", str(d.socket)]
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        cut = await anyio.run_process([*ctl, "list", "--limit", "20"], env=env)
+        more = cut.stdout.decode().splitlines()[-1]
+        assert more.startswith("more: workflowctl list --cursor ")
+        rest = await anyio.run_process([*ctl, "list", "--cursor", more.split()[-1]], env=env)
+        lines = rest.stdout.decode().splitlines()
+        assert len(lines) == 1 + 5 and not lines[-1].startswith("more:")  # header, 5 rows
+
+
+async def test_ids_events_and_threads_are_checked(tmp_path: Path) -> None:
+    """An id, event or thread id that is empty, over 200 characters or has a control character
+    is bad_request, and changes nothing."""
+    async with running_daemon(tmp_path, MODULES) as d, d.client() as c:
+        await start_tally(c, "t")
+        bad: list[tuple[str, dict[str, Any]]] = [
+            ("start", {"workflow": "Tally", "workflow_id": "a\x1b[2Jb"}),
+            ("start", {"workflow": "Tally", "workflow_id": "x" * 201}),
+            ("start", {"workflow": "Tally", "workflow_id": ""}),
+            ("send", {"workflow_id": "t", "event": "add\x07", "input": 1}),
+            ("send", {"workflow_id": "t", "event": "add", "input": 1, "thread_id": "\r"}),
+            ("send", {"workflow_id": "t\x9b", "event": "add", "input": 1}),
+            ("show", {"workflow_id": "t\n"}),
+            ("cancel", {"workflow_id": ""}),
+        ]
+        for op, fields in bad:
+            response = await c.request(op, **fields)
+            assert response["error"]["code"] == "bad_request", (op, fields, response)
+            assert not any(ord(ch) < 32 for ch in response["error"]["message"])
+        ok = await c.call("start", workflow="Tally", workflow_id="é" * 200, input={"id": "x"})
+        assert ok["created"] is True
+        shown = await c.call("show", workflow_id="t")
+        assert shown["data"]["total"] == 0 and shown["status"] == "Waiting"
+        assert len(await c.call("list")) == 2
+
+
+async def test_max_in_flight_stops_reading(tmp_path: Path) -> None:
+    """A connection with max_in_flight requests unanswered is read no further until one ends."""
+    async with running_daemon(tmp_path, MODULES, daemon={"max_in_flight": 2}) as d:
+        async with d.client() as c:
+            follow = b'{"op": "logs", "follow": true, "id": "f"}\n'
+            await c.stream.send(follow + b'{"op": "ping", "id": "p1"}\n')
+            assert (await c.read())["id"] == "p1"  # one stream in flight: still read
+        async with d.client() as c:
+            await c.stream.send(follow * 2 + b'{"op": "ping", "id": "p2"}\n')
+            # Nothing may come for a while: the passing time is what is under test.
+            with anyio.move_on_after(1.0) as waited:
+                while (await c.read())["id"] != "p2":
+                    pass
+            assert waited.cancelled_caught  # p2 was not read: both slots hold a stream
+        assert await ping_ok(d)
