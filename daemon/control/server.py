@@ -19,11 +19,18 @@ from daemon.control.dispatch import Backend, DaemonOps, Dispatcher, RepairTools,
 from daemon.control.protocol import encode, error
 from daemon.control.session import Dispatch, InFlight, Limits, Session
 from daemon.control.wire import Wire
+from daemon.control.wire import hung_up as wire_hung_up
 
 log = structlog.get_logger()
 
-#: How long an allowed client waits for a slot before it is refused `unavailable`.
-ADMIT_WAIT_S = 1.0
+#: How long an allowed client waits for a slot with none freed before it is refused
+#: `unavailable`, and how long at most while slots are being freed.
+ADMIT_WAIT_S, ADMIT_MAX_WAIT_S = 1.0, 30.0
+#: How often, at most, a full server looks for clients that hung up or stalled.
+SWEEP_S = 0.05
+#: A client this long into sending one line, with nothing owed to it, may be evicted for a
+#: new one when every slot is taken.
+EVICT_STALLED_S = 1.0
 
 
 async def serve(
@@ -82,9 +89,11 @@ class Server:
     gids: set[int] = field(default_factory=set)
     max_conns: int = 256
     limits: Limits = field(default_factory=Limits)
-    #: The admitted connections that have not been seen to hang up.
-    live: set[Wire] = field(default_factory=set)
+    #: The admitted connections that have not been seen to hang up, and their sessions.
+    live: dict[Wire, Session] = field(default_factory=dict)
     _freed: anyio.Event = field(default_factory=anyio.Event)
+    _swept_at: float = -1e9
+    _waiting: int = 0
     in_flight: InFlight = field(default_factory=InFlight)
     _accepting: anyio.CancelScope = field(default_factory=anyio.CancelScope)
 
@@ -149,17 +158,17 @@ class Server:
             log.warning("control_forbidden", uid=uid, gid=gid, pid=pid)
             await self._say(wire, error(None, "forbidden", f"uid {uid} may not use workflowd"))
             return
+        session = Session(
+            wire, uid, dispatch=self.dispatch, limits=self.limits, in_flight=self.in_flight
+        )
         if not await self._take_slot():
             await self._say(wire, error(None, "unavailable", "too many connections"))
             return
-        self.live.add(wire)
+        self.live[wire] = session
         try:
-            session = Session(
-                wire, uid, dispatch=self.dispatch, limits=self.limits, in_flight=self.in_flight
-            )
             await session.run()
         finally:
-            self.live.discard(wire)
+            self.live.pop(wire, None)
             self._freed.set()
 
     @property
@@ -168,20 +177,55 @@ class Server:
         return len(self.live)
 
     async def _take_slot(self) -> bool:
-        """Wait up to ADMIT_WAIT_S for fewer than max_connections live clients; False if not.
+        """Wait for fewer than max_connections live clients; False once none left for a while.
 
-        Clients that already hung up do not count, though the loop may not have read their
-        last bytes yet: a burst of short-lived clients leaves the slots of the gone ones free.
+        While slots keep being freed (a burst of short clients, a cron of hundreds), a client
+        waits its turn, up to ADMIT_MAX_WAIT_S; it is refused once no slot was freed for
+        ADMIT_WAIT_S (every slot held by a client that stays).
         """
-        if len(self.live) >= self.max_conns:
-            # Their sessions still answer what they sent before leaving (a `send` then a
-            # close), but they no longer count.
-            self.live.difference_update([w for w in self.live if w.hung_up()])
-        with anyio.move_on_after(ADMIT_WAIT_S):
+        now = anyio.current_time()
+        deadline, last_chance = now + ADMIT_WAIT_S, now + ADMIT_MAX_WAIT_S
+        self._waiting += 1
+        try:
             while len(self.live) >= self.max_conns:
-                self._freed = anyio.Event()
-                await self._freed.wait()
-        return len(self.live) < self.max_conns
+                self._make_room()
+                if len(self.live) < self.max_conns:
+                    break
+                left = min(deadline, last_chance) - anyio.current_time()
+                if left <= 0:
+                    return False
+                if self._freed.is_set():
+                    self._freed = anyio.Event()
+                with anyio.move_on_after(min(left, SWEEP_S)):
+                    await self._freed.wait()
+                    deadline = anyio.current_time() + ADMIT_WAIT_S  # the line moves
+            return True
+        finally:
+            self._waiting -= 1
+
+    def _make_room(self) -> None:
+        """Uncount the clients that hung up; at the limit still, evict the stalest trickler.
+
+        A hung-up client's session still answers what it sent before leaving (a `send`, then
+        a close), but no longer counts, though the loop may not have read its last bytes yet.
+        A client that has been sending one line for EVICT_STALLED_S with no answer owed is
+        holding a slot, not using it: the longest such one makes way for a new client.
+        """
+        now = anyio.current_time()
+        if now - self._swept_at < SWEEP_S:
+            return
+        self._swept_at = now
+        for gone in wire_hung_up(self.live):
+            del self.live[gone]
+        room = self._waiting - (self.max_conns - len(self.live))
+        if room <= 0:
+            return
+        stalled = sorted(((s.stalled_for(), w) for w, s in self.live.items()), key=_first)
+        for for_s, wire in stalled[-room:]:
+            if for_s >= EVICT_STALLED_S:
+                log.warning("control_client_evicted", uid=self.live[wire].uid, stalled_s=for_s)
+                del self.live[wire]
+                wire.abort()
 
     async def _allowed(self, uid: int, gid: int) -> bool:
         if uid in self.uids or gid in self.gids:
@@ -195,3 +239,7 @@ class Server:
         if wire.write(encode(response)):
             with anyio.move_on_after(self.limits.idle):
                 await wire.flushed()
+
+
+def _first(pair: tuple[float, Wire]) -> float:
+    return pair[0]

@@ -99,6 +99,17 @@ class Session:
         self.parked: list[Parked] = []
         self.closing = False
         self.room: anyio.Event | None = None
+        self._line_since = wire.loop.time()
+
+    def stalled_for(self) -> float:
+        """Return how long this client has been sending one line, owed nothing (else 0).
+
+        That is what a client trickling bytes to hold a slot looks like.
+        """
+        data = self.wire.data
+        if self.in_flight or not data or b"\n" in data:
+            return 0.0
+        return self.wire.loop.time() - self._line_since
 
     async def run(self) -> None:
         """Answer every request until EOF, idleness or an oversized line."""
@@ -156,7 +167,8 @@ class Session:
         and no line is begun, the connection is not idle.
         """
         wire = self.wire
-        deadline = wire.loop.time() + self._limits.idle
+        self._line_since = wire.loop.time()
+        deadline = self._line_since + self._limits.idle
         while True:
             line = wire.line(self._limits.max_bytes)
             if line is not None:
@@ -174,7 +186,8 @@ class Session:
                 if wire.data:
                     log.info("control_request_timeout", buffered=len(wire.data))
                 return None
-            deadline = wire.loop.time() + self._limits.idle
+            self._line_since = wire.loop.time()
+            deadline = self._line_since + self._limits.idle
 
     async def _answer(self, req: proto.AnyRequest | proto.ProtocolError) -> None:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import select
 import socket
+from collections.abc import Iterable
 
 
 def _settle(future: asyncio.Future[bool], value: bool) -> None:
@@ -135,21 +136,6 @@ class Wire(asyncio.Protocol):
         """Return how many written bytes the kernel has not taken yet (the peer has not read)."""
         return 0 if self.lost else self.transport.get_write_buffer_size()
 
-    def hung_up(self) -> bool:
-        """Tell whether the peer has closed its end entirely (its socket reports POLLHUP).
-
-        A peer that only half-closed still waits for its answers; one that closed is gone,
-        even if the loop has not read its last bytes yet.
-        """
-        if self.lost:
-            return True
-        sock = self.transport.get_extra_info("socket")
-        if sock is None:
-            return True
-        poll = select.poll()
-        poll.register(sock.fileno(), select.POLLHUP)
-        return any(events & (select.POLLHUP | select.POLLERR) for _, events in poll.poll(0))
-
     def abort(self) -> None:
         """Drop the connection at once, with whatever it has not sent."""
         self.lost = True
@@ -177,3 +163,25 @@ class Wire(asyncio.Protocol):
             self.transport.abort()  # close() would wait for that peer to read, maybe forever
         else:
             self.transport.close()
+
+
+def hung_up(wires: Iterable[Wire]) -> list[Wire]:
+    """Return those of `wires` whose peer has closed its end entirely, with one poll(2).
+
+    A peer that only half-closed still waits for its answers; one that closed is gone (its
+    socket reports POLLHUP), even if the loop has not read its last bytes yet.
+    """
+    by_fd: dict[int, Wire] = {}
+    gone = []
+    poll = select.poll()
+    for wire in wires:
+        sock = None if wire.lost else wire.transport.get_extra_info("socket")
+        if sock is None:
+            gone.append(wire)
+            continue
+        by_fd[sock.fileno()] = wire
+        poll.register(sock.fileno(), select.POLLHUP)
+    for fd, events in poll.poll(0) if by_fd else ():
+        if events & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+            gone.append(by_fd[fd])
+    return gone
