@@ -79,34 +79,45 @@ async def test_forbidden_flood_holds_no_slot(short_tmp: Path) -> None:
         await logged(d, "control_forbidden")
 
 
+async def trickle(d: Daemon, closed_after: list[float]) -> None:
+    """Send a ping a byte every 0.1 s (12 s in all); note when the daemon cut it off."""
+    began = time.monotonic()
+    async with await anyio.connect_unix(d.socket) as stream:
+        for byte in b'{"op": "ping", "id": 1' + b" " * 100:
+            try:
+                await stream.send(bytes([byte]))
+            except (anyio.BrokenResourceError, ConnectionError):
+                break
+            # The gap between bytes is the behaviour under test: well under any timeout.
+            await anyio.sleep(0.1)
+    closed_after.append(time.monotonic() - began)
+
+
 async def test_slowloris_is_closed_after_the_idle_timeout(tmp_path: Path) -> None:
     """Clients trickling a byte at a time are closed after idle_timeout_s for the whole line."""
-    conf = {"max_connections": 3, "idle_timeout_s": 1.0}
-    async with running_daemon(tmp_path, MODULES, daemon=conf) as d:
+    async with running_daemon(tmp_path, MODULES, daemon={"idle_timeout_s": 1.0}) as d:
         closed_after: list[float] = []
-
-        async def trickle() -> None:
-            began = time.monotonic()
-            async with await anyio.connect_unix(d.socket) as stream:
-                for byte in b'{"op": "ping", "id": 1' + b" " * 100:
-                    try:
-                        await stream.send(bytes([byte]))
-                    except (anyio.BrokenResourceError, ConnectionError):
-                        break
-                    # The gap between bytes is the behaviour under test: well under the timeout.
-                    await anyio.sleep(0.1)
-            closed_after.append(time.monotonic() - began)
-
         async with anyio.create_task_group() as tg:
             for _ in range(3):
-                tg.start_soon(trickle)
+                tg.start_soon(trickle, d, closed_after)
+        assert len(closed_after) == 3 and max(closed_after) < 5, closed_after
+        await logged(d, "control_request_timeout", count=3)
+
+
+async def test_tricklers_holding_every_slot_make_room(tmp_path: Path) -> None:
+    """With every slot held by tricklers, a new client is served: the stalest one is evicted."""
+    async with running_daemon(tmp_path, MODULES, daemon={"max_connections": 3}) as d:
+        closed_after: list[float] = []
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(trickle, d, closed_after)
             await anyio.sleep(0.3)  # the tricklers hold every slot
             with anyio.fail_after(8):
                 while not await ping_ok(d):
                     pass  # a refusal waited ~1 s for a slot: no sleep needed
-        # 123 bytes at 0.1 s take 12 s: each was cut off once its line took 1 s.
-        assert len(closed_after) == 3 and max(closed_after) < 5, closed_after
-        await logged(d, "control_request_timeout", count=3)
+            evicted = (await logged(d, "control_client_evicted"))[0]
+            tg.cancel_scope.cancel()
+        assert evicted["stalled_s"] >= 1.0
 
 
 async def test_non_reader_is_dropped(tmp_path: Path) -> None:
