@@ -222,17 +222,21 @@ class Session:
             log.exception("control_encode_failed")
             message = "the result cannot be encoded as JSON"
             data = encode(error(response.get("id"), "internal", message))
+        del response  # a client slow to read holds only the bytes not yet sent, not copies
         wire = self.wire
         unread = wire.unread()
-        if not wire.write(data):
+        written = wire.write(data)
+        size = len(data)
+        del data
+        if not written:
             self.tg.cancel_scope.cancel()
             return
-        if unread and unread + len(data) > self._limits.max_buffered:
+        if unread and unread + size > self._limits.max_buffered:
             # A client that sends but never reads would cost the daemon its every answer.
             log.warning(
                 "control_client_dropped",
                 reason="unread output over max_buffered_bytes",
-                unread_bytes=unread + len(data),
+                unread_bytes=unread + size,
                 uid=self.uid,
             )
             wire.abort()

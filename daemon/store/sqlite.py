@@ -46,13 +46,21 @@ class SQLiteStore:
     """The daemon's SQLite database; one writer task commits every write in groups."""
 
     def __init__(
-        self, path: Path, writer: aiosqlite.Connection, reader: aiosqlite.Connection, keep: int
+        self,
+        path: Path,
+        writer: aiosqlite.Connection,
+        reader: aiosqlite.Connection,
+        keep: int,
+        lister: aiosqlite.Connection | None = None,
     ) -> None:
         self.path = path
         self._writer = writer
         self._writes = GroupWriter(writer)
         self.stats = self._writes.stats
         self._reader = reader
+        #: Pages of `list` are read on a connection of their own: a flood of them queues
+        #: behind itself, not in front of ping's counts or a send's lookups.
+        self._lister = lister or reader
         self._keep = keep
 
     @classmethod
@@ -81,9 +89,10 @@ class SQLiteStore:
                 writer = await schema.connect(stack, path, f"{base} PRAGMA synchronous = {sync};")
                 await schema.migrate(writer, path)
                 reader = await schema.connect(stack, path, f"{base} PRAGMA query_only = 1;")
+                lister = await schema.connect(stack, path, f"{base} PRAGMA query_only = 1;")
             except (OSError, sqlite3.Error) as e:
                 raise StoreUnusable(f"cannot open {path}: {type(e).__name__}: {e}") from None
-            store = cls(path, writer, reader, history_keep)
+            store = cls(path, writer, reader, history_keep, lister)
             failure: Exception | None = None
             async with anyio.create_task_group() as tg:
                 tg.start_soon(store._writes.run)
@@ -220,10 +229,12 @@ class SQLiteStore:
         deleted: int = await self._writes.submit(apply)
         return deleted
 
-    async def _read(self, sql: str, params: Sequence[Any] = ()) -> builtins.list[Any]:
+    async def _read(
+        self, sql: str, params: Sequence[Any] = (), *, on: aiosqlite.Connection | None = None
+    ) -> builtins.list[Any]:
         if self._writes.closed:
             raise Unavailable("the store is closed")
-        return builtins.list(await self._reader.execute_fetchall(sql, params))
+        return builtins.list(await (on or self._reader).execute_fetchall(sql, params))
 
     async def get(self, workflow_id: str) -> WorkflowRow | None:
         """Return the workflow with that id, or None."""
@@ -247,7 +258,7 @@ class SQLiteStore:
     ) -> tuple[builtins.list[WorkflowRow], Position | None]:
         """Return up to `limit` workflows after `after`, newest first, and where to go on."""
         sql, params = schema.list_query(status, name, after)
-        rows = await self._read(sql, [*params, limit + 1])
+        rows = await self._read(sql, [*params, limit + 1], on=self._lister)
         more = len(rows) > limit
         rows = rows[:limit]
         position = (rows[-1][-2], rows[-1][-1]) if more else None
