@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol, assert_never
 
+import anyio
 import msgspec
 
 from daemon.control import protocol as proto
@@ -122,6 +123,9 @@ class Dispatcher:
     ) -> None:
         self._backend, self._repairs, self._ops = backend, repairs, ops
         self._schedules = schedules
+        #: Pages of `list` summarized at once, across every connection: the others wait off
+        #: the event loop's ready queue, so a flood of lists leaves a ping a short turn.
+        self._listing = anyio.Semaphore(LISTS_AT_ONCE)
 
     async def __call__(self, req: proto.AnyRequest, reply: Reply, who: int | None = None) -> Any:
         """Run one request from the peer with uid `who`; return its result."""
@@ -218,9 +222,10 @@ class Dispatcher:
         status, workflow, after = req.status, req.workflow, None
         if req.cursor is not None:
             status, workflow, after = _listing_of(req)
-        rows, position = await self._backend.page(
-            status=status, workflow=workflow, limit=req.limit, after=after
-        )
+        async with self._listing:
+            rows, position = await self._backend.page(
+                status=status, workflow=workflow, limit=req.limit, after=after
+            )
         cursor = None if position is None else _cursor(status, workflow, position)
         return proto.Page(rows, cursor)
 
@@ -237,6 +242,8 @@ class Dispatcher:
         return {"end": True}
 
 
+#: How many `list` requests are answered at once; the rest wait their turn.
+LISTS_AT_ONCE = 2
 _CURSOR_PREFIX = "c1."
 _Listing = tuple[float, int, str | None, str | None]
 
