@@ -361,6 +361,10 @@ async def _during(d: Daemon, attack: Callable[[Flood], Any]) -> Flood:
     return flood
 
 
+async def _quiet(flood: Flood) -> None:
+    await anyio.sleep(2.0)  # no attack: the baseline pings and RSS
+
+
 async def _slowloris(d: Daemon, flood: Flood) -> None:
     async def one() -> None:
         with contextlib.suppress(OSError, anyio.BrokenResourceError):
@@ -524,7 +528,7 @@ async def floods(tmp: Path) -> tuple[dict[str, Flood], dict[str, float], list[st
     try:
         async with d.client() as c:
             before = await c.call("show", workflow_id="big")
-        results["quiet"] = await _during(d, functools.partial(anyio.sleep, 2.0))
+        results["quiet"] = await _during(d, _quiet)
         results["slowloris"] = await _during(d, functools.partial(_slowloris, d))
         results["non_reader"] = await _during(d, functools.partial(_non_readers, d))
         if os.geteuid() == 0 and shutil.which("setpriv"):
