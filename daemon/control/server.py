@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,10 @@ SWEEP_S = 0.05
 #: A client this long into sending one line, with nothing owed to it, may be evicted for a
 #: new one when every slot is taken.
 EVICT_STALLED_S = 1.0
+#: Connections accepted but not yet admitted or refused, at most.
+DECIDING = 64
+#: A uid refused again within this many seconds is counted, not logged again.
+FORBIDDEN_LOG_S = 1.0
 
 
 async def serve(
@@ -94,6 +98,8 @@ class Server:
     _freed: anyio.Event = field(default_factory=anyio.Event)
     _swept_at: float = -1e9
     _waiting: int = 0
+    #: Per refused uid: when it was last logged, and how many refusals since went unlogged.
+    _refused: dict[int, tuple[float, int]] = field(default_factory=dict)
     in_flight: InFlight = field(default_factory=InFlight)
     _accepting: anyio.CancelScope = field(default_factory=anyio.CancelScope)
 
@@ -117,16 +123,25 @@ class Server:
 
     async def accept_loop(self, listener: anyio.abc.SocketListener) -> None:
         """Accept clients until `wind_down`; running out of file descriptors must not stop it."""
+        # Connections not yet admitted or refused are few at a time: a flood of them (say,
+        # a forbidden uid) waits in the kernel's backlog instead of filling the event loop's
+        # ready queue, where every step of an allowed client's answer would queue behind it.
+        deciding = anyio.Semaphore(DECIDING)
         async with anyio.create_task_group() as tg:
             with self._accepting:
                 while True:
+                    await deciding.acquire()
                     try:
                         sock = await sockfile.accept(listener)
                     except OSError as e:
+                        deciding.release()
                         log.warning("control_accept_failed", error=str(e))
                         await anyio.sleep(0.1)  # EMFILE and the like: give clients time to leave
                         continue
-                    tg.start_soon(self.connection, sock)
+                    except BaseException:
+                        deciding.release()
+                        raise
+                    tg.start_soon(self.connection, sock, _Once(deciding.release))
             await anyio.sleep_forever()  # open connections finish their answers until cancelled
 
     async def wind_down(self, grace_s: float) -> None:
@@ -134,36 +149,44 @@ class Server:
         self._accepting.cancel()
         await self.in_flight.quiet(grace_s)
 
-    async def connection(self, sock: socket.socket) -> None:
-        """Serve one client; nothing a client does may take the server down."""
+    async def connection(self, sock: socket.socket, decided: Callable[[], None]) -> None:
+        """Serve one client; nothing a client does may take the server down.
+
+        `decided` is called once the client is admitted or refused (at the latest, at the end).
+        """
         try:
             wire = await Wire.adopt(sock)
         except OSError:
+            decided()
             sock.close()
             return
         try:
-            await self._admit(sock, wire)
+            await self._admit(sock, wire, decided)
         except ConnectionError:
             pass  # the peer went away
         except Exception:
             log.exception("control_connection_failed")
         finally:
+            decided()
             wire.close()
 
-    async def _admit(self, sock: socket.socket, wire: Wire) -> None:
+    async def _admit(self, sock: socket.socket, wire: Wire, decided: Callable[[], None]) -> None:
         # Who it is comes first: a refused peer never holds a slot, so a flood of them cannot
         # crowd allowed clients out.
         pid, uid, gid = sockfile.peer_credentials(sock)
         if not await self._allowed(uid, gid):
-            log.warning("control_forbidden", uid=uid, gid=gid, pid=pid)
+            decided()
+            self._log_forbidden(uid, gid, pid)
             await self._say(wire, error(None, "forbidden", f"uid {uid} may not use workflowd"))
             return
         session = Session(
             wire, uid, dispatch=self.dispatch, limits=self.limits, in_flight=self.in_flight
         )
         if not await self._take_slot():
+            decided()
             await self._say(wire, error(None, "unavailable", "too many connections"))
             return
+        decided()
         self.live[wire] = session
         try:
             await session.run()
@@ -227,6 +250,18 @@ class Server:
                 del self.live[wire]
                 wire.abort()
 
+    def _log_forbidden(self, uid: int, gid: int, pid: int) -> None:
+        """Log a refused peer; a flood from one uid logs once a second, with its count."""
+        now = anyio.current_time()
+        last, quiet = self._refused.get(uid, (-1e9, 0))
+        if now - last < FORBIDDEN_LOG_S:
+            self._refused[uid] = (last, quiet + 1)
+            return
+        if len(self._refused) > 1024:
+            self._refused.clear()  # many uids refused: forget, at worst log them again
+        self._refused[uid] = (now, 0)
+        log.warning("control_forbidden", uid=uid, gid=gid, pid=pid, unlogged_since=quiet)
+
     async def _allowed(self, uid: int, gid: int) -> bool:
         if uid in self.uids or gid in self.gids:
             return True
@@ -243,3 +278,15 @@ class Server:
 
 def _first(pair: tuple[float, Wire]) -> float:
     return pair[0]
+
+
+class _Once:
+    """Calls a function the first time it is called, and never again."""
+
+    def __init__(self, function: Callable[[], None]) -> None:
+        self._function: Callable[[], None] | None = function
+
+    def __call__(self) -> None:
+        function, self._function = self._function, None
+        if function is not None:
+            function()
