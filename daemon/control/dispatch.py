@@ -7,7 +7,7 @@ import functools
 import importlib.metadata
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Protocol, assert_never
+from typing import Annotated, Any, Protocol, assert_never
 
 import anyio
 import msgspec
@@ -245,7 +245,8 @@ class Dispatcher:
 #: How many `list` requests are answered at once; the rest wait their turn.
 LISTS_AT_ONCE = 2
 _CURSOR_PREFIX = "c1."
-_Listing = tuple[float, int, str | None, str | None]
+_RowId = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]  # what SQLite can bind
+_Listing = tuple[float, _RowId, str | None, str | None]
 
 
 def _cursor(status: str | None, workflow: str | None, position: Position) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -253,6 +254,10 @@ async def test_list_pages_with_a_cursor(tmp_path: Path) -> None:
         for fields in (
             {"cursor": tallies["cursor"], "workflow": "Hold"},
             {"cursor": "c1.bm9wZQ=="},
+            {
+                "cursor": "c1."
+                + base64.urlsafe_b64encode(b"[1.0, 99999999999999999999, null, null]").decode()
+            },
             {"cursor": "garbage"},
             {"limit": 1001},
         ):
