@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import fcntl
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -20,7 +22,7 @@ import pytest
 from tests.helpers.client import Client
 from tests.helpers.harness import REPO, Daemon, running_daemon
 from tests.helpers.support import needs_root
-from tests.helpers.wait import logged, wait_status
+from tests.helpers.wait import logged, until, wait_status
 
 MODULES = ["tests.workflows.control"]
 
@@ -189,37 +191,47 @@ async def test_burst_of_closers_leaves_slots(tmp_path: Path) -> None:
             assert response["ok"], (burst, response)
 
 
+def lock_waiters(inode: int) -> int:
+    """Return how many processes wait for a flock(2) on the file with that inode."""
+    lines = Path("/proc/locks").read_text().splitlines()
+    return sum(1 for line in lines if "->" in line and f":{inode} " in line)
+
+
+@pytest.mark.skipif(not shutil.which("flock"), reason="needs flock(1) (util-linux)")
 @pytest.mark.timeout(360)  # 300 interpreters starting at once on a shared 2-core machine
 async def test_cron_of_300_workflowctl_sends(tmp_path: Path) -> None:
     """300 `workflowctl send` processes started at the same instant all succeed."""
     async with running_daemon(tmp_path, MODULES) as d, d.client() as c:
         await start_tally(c, "t")
-        gate = tmp_path / "gate"
-        os.mkfifo(gate)
         ctl = [sys.executable, "-m", "daemon.control.ctl", "--socket", str(d.socket)]
         send = " ".join([*ctl, "send", "t", "add", "--input", "1"])
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        # Each waits on the FIFO: closing its writer starts all 300 at once, like a cron.
-        procs = [
-            await anyio.open_process(
-                ["sh", "-c", f"read _ < {gate}; exec {send} 2>{tmp_path}/err{n}"],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=None,
-                env=env,
-            )
-            for n in range(300)
-        ]
-        try:
-            fd = await anyio.to_thread.run_sync(os.open, str(gate), os.O_WRONLY)
-            os.close(fd)
-            with anyio.fail_after(300):
-                codes = [await p.wait() for p in procs]
-        finally:
-            for p in procs:
-                if p.returncode is None:
-                    p.kill()
-                    await p.wait()
+        gate = tmp_path / "gate"
+        with gate.open("w") as held:
+            # Each waits for a shared lock on `gate` while we hold it exclusively: letting
+            # go starts all 300 at once, like a cron; a late one does not wait at all.
+            fcntl.flock(held, fcntl.LOCK_EX)
+            procs = [
+                await anyio.open_process(
+                    ["flock", "-s", str(gate), "sh", "-c", f"exec {send} 2>{tmp_path}/err{n}"],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=None,
+                    env=env,
+                )
+                for n in range(300)
+            ]
+            try:
+                inode = os.fstat(held.fileno()).st_ino
+                await until(lambda: lock_waiters(inode) >= 300, limit_s=60)
+                fcntl.flock(held, fcntl.LOCK_UN)
+                with anyio.fail_after(300):
+                    codes = [await p.wait() for p in procs]
+            finally:
+                for p in procs:
+                    if p.returncode is None:
+                        p.kill()
+                        await p.wait()
         failed = [
             (code, (tmp_path / f"err{n}").read_text()) for n, code in enumerate(codes) if code
         ]
