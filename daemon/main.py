@@ -185,6 +185,8 @@ async def run_daemon(
                 max_request_bytes=d.max_request_bytes,
                 max_connections=d.max_connections,
                 idle_timeout=d.idle_timeout_s,
+                max_in_flight=d.max_in_flight,
+                max_buffered_bytes=d.max_buffered_bytes,
                 repairs=repairs,
                 ops=DaemonOps(
                     reloader,
@@ -247,6 +249,8 @@ def _configure_control(control: Server, cfg: Config) -> None:
         max_request_bytes=d.max_request_bytes,
         max_connections=d.max_connections,
         idle_timeout=d.idle_timeout_s,
+        max_in_flight=d.max_in_flight,
+        max_buffered_bytes=d.max_buffered_bytes,
     )
 
 

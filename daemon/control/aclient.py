@@ -183,11 +183,17 @@ class AsyncClient:
         return wait_outcome(workflow_ids, result)
 
     async def list(
-        self, *, status: str | None = None, workflow: str | None = None, limit: int | None = None
+        self,
+        *,
+        status: str | None = None,
+        workflow: str | None = None,
+        limit: int | None = None,
+        parent: str | None = None,
+        cursor: str | None = None,
     ) -> builtins.list[dict[str, Any]]:
-        """Return workflow summaries, newest first."""
+        """Return workflow summaries, newest first (one page: `limit` at most 1000)."""
         result: builtins.list[dict[str, Any]] = await self.call(
-            "list", status=status, workflow=workflow, limit=limit
+            "list", status=status, workflow=workflow, limit=limit, parent=parent, cursor=cursor
         )
         return result
 

@@ -243,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=limit, default=100, help=f"rows, 1 to {MAX_LIMIT} (100)")
     p.add_argument("--since", type=duration, metavar="AGE", help="changed within AGE: 1d, 2h")
     p.add_argument("--parent", metavar="ID", help="only the children this workflow started")
+    p.add_argument("--cursor", help="the next page of a cut list (the cursor it printed)")
     for name, help in [("show", "describe a workflow"), ("cancel", "cancel a workflow")]:
         complete(command(name, help).add_argument("workflow_id", metavar="ID"), workflow_ids)
     p = command("history", "show a workflow's history")
@@ -433,24 +434,32 @@ def wait(client: Client, out: Output, ids: list[str], *, any: bool, timeout: flo
 
 
 def list_workflows(args: argparse.Namespace, client: Client, out: Output) -> int:
-    """List workflows; a list cut at --limit says so (on stderr, so pipes get rows only)."""
-    ask = args.limit + 1 if args.limit < MAX_LIMIT else args.limit  # one more: is it cut?
-    rows = client.call(
-        "list", status=args.status, workflow=args.workflow, limit=ask, parent=args.parent
-    )
+    """List workflows; a cut list says so on stderr, with the command for its next page."""
+    fields = {
+        "status": args.status,
+        "workflow": args.workflow,
+        "limit": args.limit,
+        "parent": args.parent,
+        "cursor": args.cursor,
+    }
+    *_, response = client.stream("list", **fields)
+    rows, cursor = response.get("result") or [], response.get("cursor")
     if args.since is not None:  # rows come newest first: the recent ones are a prefix
         cutoff = time.time() - args.since
-        rows = [r for r in rows if (r.get("updated_at") or 0) >= cutoff]
-    cut = len(rows) > args.limit or len(rows) == MAX_LIMIT
-    rows = rows[: args.limit]
+        kept = [r for r in rows if (r.get("updated_at") or 0) >= cutoff]
+        cursor = cursor if len(kept) == len(rows) else None  # the rest are older still
+        rows = kept
     out.result("list", rows)
-    if cut and not out.json:  # --json prints the rows exactly; the count is for people
+    if cursor is not None:  # on stderr: stdout (--json too) has exactly the rows
         total = ""
-        if args.workflow is None and args.since is None:
+        if not out.json and args.workflow is None and args.since is None and args.parent is None:
             counts = client.call("ping").get("workflows", {})
             n = counts.get(args.status, 0) if args.status else sum(counts.values())
-            total = f" of {n}" if n > len(rows) else ""
-        print(f"… {len(rows)}{total} shown; --limit or --cursor for more", file=sys.stderr)
+            total = f" of {n}" if n > len(rows) and args.cursor is None else ""
+        print(
+            f"… {len(rows)}{total} shown; more: workflowctl list --cursor {cursor}",
+            file=sys.stderr,
+        )
     return EXIT_OK
 
 

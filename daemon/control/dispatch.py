@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import base64
 import functools
 import importlib.metadata
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Protocol, assert_never
+from typing import Annotated, Any, Protocol, assert_never
+
+import anyio
+import msgspec
 
 from daemon.control import protocol as proto
-from daemon.errors import Unavailable
+from daemon.errors import BadRequest, Unavailable
 
 #: Writes one extra response line (a streamed log record) before the final answer.
 Reply = Callable[[dict[str, Any]], Awaitable[None]]
 Records = list[dict[str, Any]]  # `list` is shadowed inside Backend
 Ids = list[str]
+#: Where a listing stopped: the last row's (updated_at, rowid) for the daemon's store.
+Position = tuple[float, int]
 
 
 class Backend(Protocol):
@@ -46,6 +52,15 @@ class Backend(Protocol):
         limit: int = 100,
         parent: str | None = None,
     ) -> Records: ...
+    async def page(
+        self,
+        *,
+        status: str | None = None,
+        workflow: str | None = None,
+        limit: int = 100,
+        after: Position | None = None,
+        parent: str | None = None,
+    ) -> tuple[Records, Position | None]: ...
     async def show(self, workflow_id: str) -> dict[str, Any]: ...
     async def history(self, workflow_id: str, *, limit: int = 1000) -> Records: ...
     async def cancel(self, workflow_id: str) -> dict[str, Any]: ...
@@ -131,6 +146,9 @@ class Dispatcher:
         self._backend, self._repairs, self._ops = backend, repairs, ops
         self._schedules = schedules
         self._dashboard = dashboard
+        #: Pages of `list` summarized at once, across every connection: the others wait off
+        #: the event loop's ready queue, so a flood of lists leaves a ping a short turn.
+        self._listing = anyio.Semaphore(LISTS_AT_ONCE)
 
     async def __call__(self, req: proto.AnyRequest, reply: Reply, who: int | None = None) -> Any:
         """Run one request from the peer with uid `who`; return its result."""
@@ -150,9 +168,7 @@ class Dispatcher:
             case proto.Send():
                 return await self._send(req)
             case proto.List():
-                return await b.list(
-                    status=req.status, workflow=req.workflow, limit=req.limit, parent=req.parent
-                )
+                return await self._list(req)
             case proto.Show():
                 return await b.show(req.workflow_id)
             case proto.History():
@@ -237,6 +253,17 @@ class Dispatcher:
             raise Unavailable("this server does not offer reload or backup")
         return self._ops
 
+    async def _list(self, req: proto.List) -> proto.Page:
+        status, workflow, parent, after = req.status, req.workflow, req.parent, None
+        if req.cursor is not None:
+            status, workflow, parent, after = _listing_of(req)
+        async with self._listing:
+            rows, position = await self._backend.page(
+                status=status, workflow=workflow, limit=req.limit, after=after, parent=parent
+            )
+        cursor = None if position is None else _cursor(status, workflow, parent, position)
+        return proto.Page(rows, cursor)
+
     async def _send(self, req: proto.Send) -> Any:
         result = await self._backend.send(
             req.workflow_id, req.event, req.input, thread_id=req.thread_id, pc=req.pc, wait=req.wait
@@ -248,3 +275,38 @@ class Dispatcher:
             async for record in records:
                 await reply(proto.log_line(req.id, record))
         return {"end": True}
+
+
+#: How many `list` requests are answered at once; the rest wait their turn.
+LISTS_AT_ONCE = 2
+_CURSOR_PREFIX = "c1."
+_RowId = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]  # what SQLite can bind
+_Listing = tuple[float, _RowId, str | None, str | None, str | None]
+
+
+def _cursor(
+    status: str | None, workflow: str | None, parent: str | None, position: Position
+) -> str:
+    """Return the opaque cursor of a listing's next page: its filters and where it stopped."""
+    listing: _Listing = (*position, status, workflow, parent)
+    return _CURSOR_PREFIX + base64.urlsafe_b64encode(msgspec.json.encode(listing)).decode()
+
+
+def _listing_of(req: proto.List) -> tuple[str | None, str | None, str | None, Position]:
+    """Return the filters and position of `req.cursor`; BadRequest if it is not one of ours."""
+    text = req.cursor or ""
+    try:
+        if not text.startswith(_CURSOR_PREFIX):
+            raise ValueError(text)
+        raw = base64.urlsafe_b64decode(text[len(_CURSOR_PREFIX) :].encode())
+        at, rowid, status, workflow, parent = msgspec.json.decode(raw, type=_Listing)
+    except (ValueError, msgspec.MsgspecError):
+        raise BadRequest("`cursor` is not a cursor a `list` answered") from None
+    for field, given, kept in (
+        ("status", req.status, status),
+        ("workflow", req.workflow, workflow),
+        ("parent", req.parent, parent),
+    ):
+        if given is not None and given != kept:
+            raise BadRequest(f"`{field}` differs from the listing the cursor belongs to")
+    return status, workflow, parent, (at, rowid)

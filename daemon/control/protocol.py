@@ -5,6 +5,7 @@ from __future__ import annotations
 import array
 import itertools
 import re
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -35,6 +36,9 @@ ERROR_CODES = frozenset(
 
 Id = int | str | None
 Limit = Annotated[int, msgspec.Meta(ge=1, le=1_000_000)]
+#: The most rows one `list` answers; a `cursor` fetches the next page.
+MAX_LIST = 1000
+ListLimit = Annotated[int, msgspec.Meta(ge=1, le=MAX_LIST)]
 
 
 class ProtocolError(Exception):
@@ -83,7 +87,9 @@ class List(Request, tag="list"):
 
     status: str | None = None
     workflow: str | None = None
-    limit: Limit = 100
+    limit: ListLimit = 100
+    #: The `cursor` of the previous page's response: this page goes on after it.
+    cursor: str | None = None
     # issue 19: only the children of this workflow (started by its Child cases).
     parent: str | None = None
 
@@ -285,7 +291,34 @@ def decode_request(line: bytes) -> AnyRequest:
     except RecursionError:
         raise ProtocolError("bad_input", f"a value nests deeper than {MAX_NESTING}", id) from None
     check_nesting(line, request)
+    check_names(request)
     return request
+
+
+#: Fields naming a workflow, an event or a thread: shown in operators' terminals and logs.
+NAME_FIELDS = ("workflow_id", "event", "thread_id")
+#: The longest workflow id, event name or thread id.
+MAX_NAME = 200
+#: A C0 or C1 control character, or DEL: none may be in a name.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def check_names(request: AnyRequest) -> None:
+    """Raise ProtocolError (`bad_request`) if a workflow id, event or thread id is ill-formed.
+
+    Each is 1 to MAX_NAME characters with no control character. The message never repeats the
+    value: it is what could carry escape sequences to a terminal.
+    """
+    for name in NAME_FIELDS:
+        value = getattr(request, name, None)
+        if value is None:
+            continue
+        if not 1 <= len(value) <= MAX_NAME:
+            message = f"`{name}` must be 1 to {MAX_NAME} characters, not {len(value)}"
+            raise ProtocolError("bad_request", message, request.id)
+        if _CONTROL.search(value):
+            message = f"`{name}` must not contain control characters"
+            raise ProtocolError("bad_request", message, request.id)
 
 
 def check_nesting(line: bytes, request: AnyRequest) -> None:
@@ -309,8 +342,21 @@ _STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
+@dataclass(slots=True)
+class Page:
+    """A result cut at its limit: the response carries `cursor`, to ask for the rest with."""
+
+    rows: list[Any]
+    cursor: str | None
+
+
 def ok(id: Id, result: Any) -> dict[str, Any]:
-    """Build a success response."""
+    """Build a success response (a Page's cursor goes beside its rows)."""
+    if isinstance(result, Page):
+        paged = {"id": id, "ok": True, "result": result.rows}
+        if result.cursor is not None:
+            paged["cursor"] = result.cursor
+        return paged
     return {"id": id, "ok": True, "result": result}
 
 

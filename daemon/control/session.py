@@ -19,8 +19,10 @@ from daemon.errors import WorkflowdError
 
 log = structlog.get_logger()
 
-#: Requests one connection may have in flight; the reader waits (backpressure) beyond that.
-MAX_IN_FLIGHT = 64
+#: What follows an oversized line is read and dropped for up to this long, then closed.
+DRAIN_S = 1.0
+#: ... or until this many bytes were dropped.
+DRAIN_BYTES = 16 << 20
 
 #: Decodes a valid request in one pass; anything it refuses goes through decode_request,
 #: whose errors explain what is wrong (converting a decoded dict costs ~20 µs a request).
@@ -39,8 +41,13 @@ class Limits:
 
     #: The longest request line.
     max_bytes: int = proto.MAX_REQUEST_BYTES
-    #: Seconds a connection may sit idle, or take to read an answer.
+    #: Seconds a connection may sit idle, take to send a whole request line, or take to read
+    #: an answer.
     idle: float = 300.0
+    #: Requests one connection may have in flight; the reader waits (backpressure) beyond that.
+    max_in_flight: int = 16
+    #: Unread output past which a connection is dropped (one answer alone may be larger).
+    max_buffered: int = 4 << 20
 
 
 class InFlight:
@@ -92,6 +99,17 @@ class Session:
         self.parked: list[Parked] = []
         self.closing = False
         self.room: anyio.Event | None = None
+        self._line_since = wire.loop.time()
+
+    def stalled_for(self) -> float:
+        """Return how long this client has been sending one line, owed nothing (else 0).
+
+        That is what a client trickling bytes to hold a slot looks like.
+        """
+        data = self.wire.data
+        if self.in_flight or not data or b"\n" in data:
+            return 0.0
+        return self.wire.loop.time() - self._line_since
 
     async def run(self) -> None:
         """Answer every request until EOF, idleness or an oversized line."""
@@ -100,11 +118,15 @@ class Session:
                 if len(line) > self._limits.max_bytes:
                     message = f"request line over {self._limits.max_bytes} bytes"
                     await self.reply(error(None, "too_large", message))
+                    # A client still sending would get EPIPE before reading why: drop the
+                    # rest of its line first (a lingering close, as web servers do for 413).
+                    if b"\n" not in line and not self.wire.lost:
+                        await self.wire.drain_line(DRAIN_BYTES, DRAIN_S)
                     self.tg.cancel_scope.cancel()
                     return
                 if line.strip():
                     req = _decode(line)
-                    while self.in_flight >= MAX_IN_FLIGHT:
+                    while self.in_flight >= self._limits.max_in_flight:
                         self.room = anyio.Event()
                         await self.room.wait()
                     self.in_flight += 1
@@ -138,8 +160,15 @@ class Session:
             req = await parked
 
     async def _next_line(self) -> bytes | None:
-        """Return the next line (too long if over the limit), or None once idle or gone."""
+        """Return the next line (too long if over the limit), or None once idle or gone.
+
+        The idle timeout bounds the whole line, not the gap between its bytes: a client that
+        trickles a byte at a time is closed as one that sends nothing. While answers are owed
+        and no line is begun, the connection is not idle.
+        """
         wire = self.wire
+        self._line_since = wire.loop.time()
+        deadline = self._line_since + self._limits.idle
         while True:
             line = wire.line(self._limits.max_bytes)
             if line is not None:
@@ -150,8 +179,15 @@ class Session:
             if wire.lost:
                 self.tg.cancel_scope.cancel()  # the peer is gone: nobody to answer
                 return None
-            if not await wire.readable(self._limits.idle) and not self.in_flight:
+            left = deadline - wire.loop.time()
+            if left > 0 and await wire.readable(left):
+                continue
+            if wire.data or not self.in_flight:
+                if wire.data:
+                    log.info("control_request_timeout", buffered=len(wire.data))
                 return None
+            self._line_since = wire.loop.time()
+            deadline = self._line_since + self._limits.idle
 
     async def _answer(self, req: proto.AnyRequest | proto.ProtocolError) -> None:
         try:
@@ -186,8 +222,24 @@ class Session:
             log.exception("control_encode_failed")
             message = "the result cannot be encoded as JSON"
             data = encode(error(response.get("id"), "internal", message))
+        del response  # a client slow to read holds only the bytes not yet sent, not copies
         wire = self.wire
-        if not wire.write(data):
+        unread = wire.unread()
+        written = wire.write(data)
+        size = len(data)
+        del data
+        if not written:
+            self.tg.cancel_scope.cancel()
+            return
+        if unread and unread + size > self._limits.max_buffered:
+            # A client that sends but never reads would cost the daemon its every answer.
+            log.warning(
+                "control_client_dropped",
+                reason="unread output over max_buffered_bytes",
+                unread_bytes=unread + size,
+                uid=self.uid,
+            )
+            wire.abort()
             self.tg.cancel_scope.cancel()
             return
         if wire.lost:
@@ -204,6 +256,7 @@ def _decode(line: bytes) -> proto.AnyRequest | proto.ProtocolError:
     try:
         request: proto.AnyRequest = _requests.decode(line)
         proto.check_nesting(line, request)
+        proto.check_names(request)
         return request
     except proto.ProtocolError as e:
         return e

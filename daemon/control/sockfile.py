@@ -20,6 +20,10 @@ from daemon.errors import ConfigError, Unavailable
 
 log = structlog.get_logger()
 
+#: Connections the kernel queues before we accept them: a cron of hundreds of clients at one
+#: second must not meet EAGAIN at connect (the kernel caps it at net.core.somaxconn).
+BACKLOG = 1024
+
 
 async def listener_from_systemd(fd: int = 3) -> anyio.abc.SocketListener | None:
     """Return the listening socket systemd passed us (socket activation), or None."""
@@ -68,7 +72,7 @@ async def bind(
                     f"cannot give {path} to [daemon] socket_group {group}: {e.strerror or e}"
                 ) from None
         created = os.stat(path)
-        sock.listen(128)
+        sock.listen(BACKLOG)
         return await anyio.abc.SocketListener.from_socket(sock), created
     except BaseException:
         sock.close()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
+from collections.abc import Iterable
 
 
 def _settle(future: asyncio.Future[bool], value: bool) -> None:
@@ -111,6 +113,34 @@ class Wire(asyncio.Protocol):
             timer.cancel()
             self._readable = None
 
+    async def drain_line(self, max_bytes: int, limit_s: float) -> None:
+        """Read and drop bytes up to the end of the line, EOF, `max_bytes` or `limit_s`."""
+        deadline = self.loop.time() + limit_s
+        dropped = 0
+        self._limit = 1 << 16
+        while not (self.eof or self.lost):
+            end = self.data.find(b"\n")
+            if end >= 0:
+                del self.data[: end + 1]
+                return
+            dropped += len(self.data)
+            self.data.clear()
+            if self._paused:
+                self._paused = False
+                self.transport.resume_reading()
+            left = deadline - self.loop.time()
+            if dropped >= max_bytes or left <= 0 or not await self.readable(left):
+                return
+
+    def unread(self) -> int:
+        """Return how many written bytes the kernel has not taken yet (the peer has not read)."""
+        return 0 if self.lost else self.transport.get_write_buffer_size()
+
+    def abort(self) -> None:
+        """Drop the connection at once, with whatever it has not sent."""
+        self.lost = True
+        self.transport.abort()
+
     def write(self, data: bytes) -> bool:
         """Queue `data` for the peer; False if the connection is closing or gone."""
         if self.lost or self.transport.is_closing():
@@ -133,3 +163,25 @@ class Wire(asyncio.Protocol):
             self.transport.abort()  # close() would wait for that peer to read, maybe forever
         else:
             self.transport.close()
+
+
+def hung_up(wires: Iterable[Wire]) -> list[Wire]:
+    """Return those of `wires` whose peer has closed its end entirely, with one poll(2).
+
+    A peer that only half-closed still waits for its answers; one that closed is gone (its
+    socket reports POLLHUP), even if the loop has not read its last bytes yet.
+    """
+    by_fd: dict[int, Wire] = {}
+    gone = []
+    poll = select.poll()
+    for wire in wires:
+        sock = None if wire.lost else wire.transport.get_extra_info("socket")
+        if sock is None:
+            gone.append(wire)
+            continue
+        by_fd[sock.fileno()] = wire
+        poll.register(sock.fileno(), select.POLLHUP)
+    for fd, events in poll.poll(0) if by_fd else ():
+        if events & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+            gone.append(by_fd[fd])
+    return gone

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import msgspec
 import structlog
 
@@ -35,7 +36,10 @@ from daemon.runtime.recovery import Recovery
 from daemon.runtime.scheduler import Hold, Scheduler
 from daemon.runtime.settings import Settings
 from daemon.runtime.work import Item, Reply
-from daemon.store.base import History, Store, WorkflowRow
+from daemon.store.base import History, Position, Store, WorkflowRow
+
+#: Workflows summarized between two checkpoints of `page` (~2 ms of the event loop).
+SUMMARY_SLICE = 100
 
 log = structlog.get_logger()
 #: Writes a new workflow's row (and whatever must commit with it); False if the id exists.
@@ -410,8 +414,32 @@ class Runtime:
         parent: str | None = None,
     ) -> list[dict[str, Any]]:
         """Summarize workflows, newest first; `parent` keeps the children of one workflow."""
-        rows = await self.store.list(status=status, name=workflow, limit=limit, parent=parent)
-        return [self._summary(row) for row in rows]
+        rows, _ = await self.page(status=status, workflow=workflow, limit=limit, parent=parent)
+        return rows
+
+    async def page(
+        self,
+        *,
+        status: str | None = None,
+        workflow: str | None = None,
+        limit: int = 100,
+        after: Position | None = None,
+        parent: str | None = None,
+    ) -> tuple[builtins.list[dict[str, Any]], Position | None]:
+        """Summarize up to `limit` workflows after `after`, newest first; return where to go on.
+
+        Each summary decodes the workflow's state, so they are made a slice at a time with a
+        checkpoint between: a page of 1000 never holds the event loop for more than a slice.
+        """
+        rows, position = await self.store.page(
+            status=status, name=workflow, limit=limit, after=after, parent=parent
+        )
+        out: builtins.list[dict[str, Any]] = []
+        for start in range(0, len(rows), SUMMARY_SLICE):
+            if start:
+                await anyio.lowlevel.checkpoint()
+            out += [self._summary(row) for row in rows[start : start + SUMMARY_SLICE]]
+        return out, position
 
     async def show(self, workflow_id: str) -> dict[str, Any]:
         """Return a workflow's data, state and error."""

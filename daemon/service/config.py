@@ -41,6 +41,10 @@ class DaemonConfig:
     shutdown_grace_s: float = _opt("float", 10.0, min=0)
     #: The group (name or gid, resolved at load) a socket the daemon binds itself is given.
     socket_group: int | None = _opt("socket_group", None)
+    #: Requests one connection may have in flight; it is read no further until one is answered.
+    max_in_flight: int = _opt("int", 16, min=1)
+    #: Unread output past which a connection is dropped (and logged).
+    max_buffered_bytes: int = _opt("int", 4 << 20, min=65_536)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+#: Where a listing stopped: the last row's (updated_at, rowid).
+Position = tuple[float, int]
 #: History entries written with a change: (kind, detail).
 History = Sequence[tuple[str, dict[str, Any]]]
 
@@ -157,6 +159,22 @@ class Store(Protocol):
         parent: str | None = None,
     ) -> builtins.list[WorkflowRow]:
         """Return workflows, most recently changed first; `parent` keeps one workflow's children."""
+        ...
+
+    async def page(
+        self,
+        *,
+        status: str | None = None,
+        name: str | None = None,
+        limit: int = 100,
+        after: Position | None = None,
+        parent: str | None = None,
+    ) -> tuple[builtins.list[WorkflowRow], Position | None]:
+        """Return up to `limit` workflows listed after `after`, and the position to go on from.
+
+        The position is None once no row is left. Rows come most recently changed first; a row
+        changed between two pages moves ahead of the next page, so no row is listed twice.
+        """
         ...
 
     def unfinished(self, *, page: int = 1000) -> AsyncIterator[WorkflowRow]:

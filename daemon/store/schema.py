@@ -93,7 +93,42 @@ MIGRATIONS: list[str] = [
     ALTER TABLE workflows ADD COLUMN deadline REAL;  -- epoch seconds: cancelled past it (timeout_s)
     CREATE INDEX workflows_parent ON workflows (parent) WHERE parent IS NOT NULL;
     """,
+    # `list` pages newest first by (updated_at, rowid), filtered by status or type or neither:
+    # each filter reads its own index in order, with no sort. The status index is covered.
+    """
+    CREATE INDEX workflows_updated ON workflows (updated_at);
+    CREATE INDEX workflows_status_updated ON workflows (status, updated_at);
+    CREATE INDEX workflows_name_updated ON workflows (name, updated_at);
+    DROP INDEX workflows_status;
+    """,
 ]
+
+
+def list_query(
+    status: str | None,
+    name: str | None,
+    after: tuple[float, int] | None,
+    parent: str | None = None,
+) -> tuple[str, list[Any]]:
+    """Return `list`'s SQL, which wants its LIMIT as the last parameter, and the others.
+
+    Rows come newest first, by (updated_at, rowid): the order each list index keeps, so a page
+    is read from the index in order and never sorted; a page goes on strictly after `after`.
+    """
+    where: list[str] = []
+    params: list[Any] = []
+    for clause, value in (("status = ?", status), ("name = ?", name), ("parent = ?", parent)):
+        if value is not None:
+            where.append(clause)
+            params.append(value)
+    if after is not None:
+        where.append("(updated_at, rowid) < (?, ?)")
+        params += after
+    sql = f"SELECT {COLS}, rowid FROM workflows"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    return sql + " ORDER BY updated_at DESC, rowid DESC LIMIT ?", params
+
 
 INSERT_WORKFLOW = (
     f"INSERT INTO workflows ({COLS}, history_seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"

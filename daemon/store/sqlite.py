@@ -31,6 +31,7 @@ from daemon.store.base import (
     History,
     HistoryRow,
     InboxRow,
+    Position,
     ScheduleRow,
     WorkflowRow,
 )
@@ -53,12 +54,16 @@ class SQLiteStore:
         reader: aiosqlite.Connection,
         keep: int,
         metrics: Metrics | None = None,
+        lister: aiosqlite.Connection | None = None,
     ) -> None:
         self.path = path
         self._writer = writer
         self._writes = GroupWriter(writer, metrics)
         self.stats = self._writes.stats
         self._reader = reader
+        #: Pages of `list` are read on a connection of their own: a flood of them queues
+        #: behind itself, not in front of ping's counts or a send's lookups.
+        self._lister = lister or reader
         self._keep = keep
 
     @classmethod
@@ -92,9 +97,10 @@ class SQLiteStore:
                 writer = await schema.connect(stack, path, f"{base} PRAGMA synchronous = {sync};")
                 await schema.migrate(writer, path)
                 reader = await schema.connect(stack, path, f"{base} PRAGMA query_only = 1;")
+                lister = await schema.connect(stack, path, f"{base} PRAGMA query_only = 1;")
             except (OSError, sqlite3.Error) as e:
                 raise StoreUnusable(f"cannot open {path}: {type(e).__name__}: {e}") from None
-            store = cls(path, writer, reader, history_keep, metrics)
+            store = cls(path, writer, reader, history_keep, metrics, lister)
             failure: Exception | None = None
             async with anyio.create_task_group() as tg:
                 tg.start_soon(store._writes.run)
@@ -232,10 +238,12 @@ class SQLiteStore:
         deleted: int = await self._writes.submit(apply)
         return deleted
 
-    async def _read(self, sql: str, params: Sequence[Any] = ()) -> builtins.list[Any]:
+    async def _read(
+        self, sql: str, params: Sequence[Any] = (), *, on: aiosqlite.Connection | None = None
+    ) -> builtins.list[Any]:
         if self._writes.closed:
             raise Unavailable("the store is closed")
-        return builtins.list(await self._reader.execute_fetchall(sql, params))
+        return builtins.list(await (on or self._reader).execute_fetchall(sql, params))
 
     async def get(self, workflow_id: str) -> WorkflowRow | None:
         """Return the workflow with that id, or None."""
@@ -251,12 +259,25 @@ class SQLiteStore:
         parent: str | None = None,
     ) -> builtins.list[WorkflowRow]:
         """Return up to `limit` workflows, most recently updated first."""
-        filters = (("status = ?", status), ("name = ?", name), ("parent = ?", parent))
-        where = " AND ".join(c for c, v in filters if v is not None)
-        params = [v for _, v in filters if v is not None]
-        sql = f"SELECT {schema.COLS} FROM workflows {'WHERE ' + where if where else ''}"
-        rows = await self._read(f"{sql} ORDER BY updated_at DESC LIMIT ?", [*params, limit])
-        return [WorkflowRow(*r) for r in rows]
+        rows, _ = await self.page(status=status, name=name, limit=limit, parent=parent)
+        return rows
+
+    async def page(
+        self,
+        *,
+        status: str | None = None,
+        name: str | None = None,
+        limit: int = 100,
+        after: Position | None = None,
+        parent: str | None = None,
+    ) -> tuple[builtins.list[WorkflowRow], Position | None]:
+        """Return up to `limit` workflows after `after`, newest first, and where to go on."""
+        sql, params = schema.list_query(status, name, after, parent)
+        rows = await self._read(sql, [*params, limit + 1], on=self._lister)
+        more = len(rows) > limit
+        rows = rows[:limit]
+        position = (rows[-1][-2], rows[-1][-1]) if more else None
+        return [WorkflowRow(*r[:-1]) for r in rows], position
 
     async def unfinished(self, *, page: int = 1000) -> AsyncIterator[WorkflowRow]:
         """Yield every workflow not in a final status, reading `page` rows at a time."""

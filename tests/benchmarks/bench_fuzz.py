@@ -11,8 +11,14 @@ calls `run()`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import os
 import random
+import shutil
+import socket
+import sqlite3
+import statistics
 import sys
 import tempfile
 import time
@@ -26,6 +32,7 @@ import anyio
 import anyio.abc
 import msgspec
 
+from daemon.store import schema
 from tests.helpers.client import Client
 from tests.helpers.harness import Daemon, write_config
 from tests.helpers.wait import wait_status
@@ -298,10 +305,266 @@ async def fuzz(tmp: Path, budget_s: float = BUDGET_S) -> tuple[Tally, int, float
     return tally, held[0], time.monotonic() - begin
 
 
+#: The floods: how many clients each runs, and for how long.
+SLOW_CLIENTS, SLOW_S, SLOW_GAP_S = 300, 15.0, 2.0
+NON_READERS, NON_READER_S, ANSWER_BYTES = 40, 10.0, 300_000
+CLOSERS, CLOSER_BURSTS = 300, 5
+FORBIDDEN_S = 5.0
+LIST_ROWS, LIST_SAMPLES = 100_000, 300
+
+
+@dataclass
+class Flood:
+    """What one flood did: hostile connections or requests, and the pings it cost."""
+
+    hostile: int = 0
+    pings: int = 0
+    refused: int = 0
+    peak_rss: int = 0
+
+
+def _rss(d: Daemon) -> int:
+    """Return the daemon's resident set size in bytes (0 if it is gone)."""
+    if d.proc is None:
+        return 0
+    try:
+        status = Path(f"/proc/{d.proc.pid}/status").read_text()
+    except OSError:
+        return 0
+    kb = next((line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")), "0")
+    return int(kb) * 1024
+
+
+async def _watch(d: Daemon, flood: Flood, stop: anyio.Event) -> None:
+    """Ping on a fresh connection every 0.1 s until `stop`; count refusals; sample RSS."""
+    while not stop.is_set():
+        flood.peak_rss = max(flood.peak_rss, _rss(d))
+        flood.pings += 1
+        try:
+            with anyio.fail_after(ANSWER_S):
+                async with d.client() as c:
+                    if not (await c.request("ping"))["ok"]:
+                        flood.refused += 1
+        except (TimeoutError, OSError, anyio.EndOfStream, anyio.BrokenResourceError):
+            flood.refused += 1
+        with anyio.move_on_after(0.1):
+            await stop.wait()
+
+
+async def _during(d: Daemon, attack: Callable[[Flood], Any]) -> Flood:
+    """Run `attack` while pinging; return what it cost."""
+    flood, stop = Flood(), anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_watch, d, flood, stop)
+        await attack(flood)
+        stop.set()
+    return flood
+
+
+async def _quiet(flood: Flood) -> None:
+    await anyio.sleep(2.0)  # no attack: the baseline pings and RSS
+
+
+async def _slowloris(d: Daemon, flood: Flood) -> None:
+    async def one() -> None:
+        with contextlib.suppress(OSError, anyio.BrokenResourceError):
+            async with await anyio.connect_unix(d.socket) as stream:
+                with anyio.move_on_after(SLOW_S):
+                    while True:
+                        await stream.send(b" ")
+                        flood.hostile += 1
+                        await anyio.sleep(SLOW_GAP_S)  # a byte every 2 s, the attack itself
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(SLOW_CLIENTS):
+            tg.start_soon(one)
+
+
+async def _non_readers(d: Daemon, flood: Flood) -> None:
+    asks = b"".join(b'{"op": "show", "workflow_id": "big", "id": %d}\n' % n for n in range(200))
+    held = []
+    try:
+        for _ in range(NON_READERS):
+            sock = socket.socket(socket.AF_UNIX)
+            sock.connect(str(d.socket))
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError, ConnectionError):
+                sent = sock.send(asks)
+                flood.hostile += asks[:sent].count(b"\n")
+            held.append(sock)
+        await anyio.sleep(NON_READER_S)  # they hold their connections, never reading
+    finally:
+        for sock in held:
+            sock.close()
+
+
+#: Connect, send a line or a fragment, and close, argv[2] times as fast as possible.
+BURST_CHILD = """
+import socket, sys
+for n in range(int(sys.argv[2])):
+    with socket.socket(socket.AF_UNIX) as s:
+        try:
+            s.connect(sys.argv[1])
+            s.sendall(b'{"op": "ping"}\\n' if n % 2 else b'{"op": "pi')
+        except OSError:
+            pass
+"""
+
+
+async def _closers(d: Daemon, flood: Flood) -> None:
+    for _ in range(CLOSER_BURSTS):
+        # In a process of its own, as cron jobs are: the pinger here runs meanwhile.
+        burst = [sys.executable, "-I", "-c", BURST_CHILD, str(d.socket), str(CLOSERS)]
+        await anyio.run_process(burst)
+        flood.hostile += CLOSERS
+        await anyio.sleep(0.2)  # bursts a moment apart
+
+
+async def _forbidden(d: Daemon, flood: Flood) -> None:
+    drop = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+    child = [*drop, sys.executable, "-I", "-c", FORBIDDEN_CHILD, str(d.socket), str(FORBIDDEN_S)]
+    done = await anyio.run_process(child, check=False)
+    flood.hostile += int(done.stdout or b"0")
+
+
+#: Run as uid 65534: connect as fast as it can for argv[2] s, keeping 200 open; print the count.
+FORBIDDEN_CHILD = """
+import socket, sys, time
+end, open_, n = time.monotonic() + float(sys.argv[2]), [], 0
+while time.monotonic() < end:
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(sys.argv[1])
+    except OSError:
+        s.close()
+        continue
+    n += 1
+    open_.append(s)
+    if len(open_) > 200:
+        open_.pop(0).close()
+print(n)
+"""
+
+
+def _fill(db: Path, rows: int) -> None:
+    """Add `rows` ended workflows, with the state of the one there, changed in the last hour."""
+    conn = sqlite3.connect(db)
+    cols = schema.COLS
+    (template,) = conn.execute(f"SELECT {cols} FROM workflows LIMIT 1").fetchall()
+    now = time.time()
+    conn.executemany(
+        f"INSERT INTO workflows ({cols}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            (
+                f"bulk{n}",
+                "Tally",
+                "Finished" if n % 10 else "Cancelled",
+                "{}",  # small data: `list` reads the state, and the file stays small
+                *template[4:8],
+                now - 3600,
+                now - 3600 + n * 0.03,
+            )
+            for n in range(rows)
+        ),
+    )
+    conn.commit()
+    conn.close()
+
+
+async def _list_figures(d: Daemon) -> dict[str, float]:
+    """Time `list` (100 rows) over the filled database, plain and filtered, and its pages."""
+    out: dict[str, float] = {}
+    async with d.client() as c:
+        for name, fields in (
+            ("list", {}),
+            ("list_status", {"status": "Cancelled"}),
+            ("list_workflow", {"workflow": "Tally"}),
+        ):
+            times = []
+            cursor = None
+            for _ in range(LIST_SAMPLES):
+                began = time.perf_counter()
+                response = await c.request(
+                    "list", limit=100, **fields, **({"cursor": cursor} if cursor else {})
+                )
+                times.append(time.perf_counter() - began)
+                cursor = response.get("cursor")
+            out[f"{name}_p50_ms"] = round(statistics.median(times) * 1000, 2)
+    # Four clients pipelining 64 lists of 1000 rows: how long does a ping wait meanwhile?
+    asks = b"".join(b'{"op": "list", "limit": 1000, "id": %d}\n' % n for n in range(64))
+    worst = 0.0
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(d.client()) for _ in range(4)]
+        for c in clients:
+            await c.stream.send(asks)
+
+        async def drain(c: Client) -> None:
+            for _ in range(64):
+                await c.read()
+
+        async with anyio.create_task_group() as tg:
+            for c in clients:
+                tg.start_soon(drain, c)
+            for _ in range(20):
+                began = time.perf_counter()
+                async with d.client() as p:
+                    await p.request("ping")
+                worst = max(worst, time.perf_counter() - began)
+    out["ping_during_list_flood_max_ms"] = round(worst * 1000, 1)
+    return out
+
+
+async def floods(tmp: Path) -> tuple[dict[str, Flood], dict[str, float], list[str]]:
+    """Run each flood against a daemon with the default limits; return what each cost."""
+    failures: list[str] = []
+    config = write_config(tmp, ["tests.workflows.control"], daemon={"idle_timeout_s": 20.0})
+    d = Daemon(tmp, config)
+    await d.start()
+    async with d.client() as c:
+        await c.call(
+            "start",
+            workflow="Tally",
+            workflow_id="big",
+            input={"id": "big", "label": "x" * ANSWER_BYTES},
+        )
+        await wait_status(c, "big", "Waiting")
+    await d.stop()
+    _fill(tmp / "wd.db", LIST_ROWS)
+    await d.start()
+    results: dict[str, Flood] = {}
+    try:
+        async with d.client() as c:
+            before = await c.call("show", workflow_id="big")
+        results["quiet"] = await _during(d, _quiet)
+        results["slowloris"] = await _during(d, functools.partial(_slowloris, d))
+        results["non_reader"] = await _during(d, functools.partial(_non_readers, d))
+        if os.geteuid() == 0 and shutil.which("setpriv"):
+            os.chmod(tmp, 0o777)
+            os.chmod(d.socket, 0o666)
+            results["forbidden"] = await _during(d, functools.partial(_forbidden, d))
+        results["closers"] = await _during(d, functools.partial(_closers, d))
+        listing = await _list_figures(d)
+        async with d.client() as c:
+            after = await c.call("show", workflow_id="big")
+            counts = (await c.call("ping"))["workflows"]
+        if (after["data"], after["updated_at"]) != (before["data"], before["updated_at"]):
+            failures.append("floods: the reference workflow changed")
+        if sum(counts.values()) != LIST_ROWS + 1:
+            failures.append(f"floods: stored rows changed: {counts}")
+    finally:
+        code = await d.stop()
+        if code != 0:
+            failures.append(f"floods: workflowd exited {code} on SIGTERM")
+    return results, listing, failures
+
+
 async def run(budget_s: float = BUDGET_S) -> list[dict[str, Any]]:
     """Run the fuzzer for `budget_s` seconds and return its figures; failures go to stderr."""
     with tempfile.TemporaryDirectory(prefix="bench_fuzz-") as tmp:
         tally, held, seconds = await fuzz(Path(tmp), budget_s)
+    with tempfile.TemporaryDirectory(prefix="bench_floods-") as tmp:
+        flooded, listing, flood_failures = await floods(Path(tmp))
+    tally.failures += flood_failures
     shown: Counter[str] = Counter()
     for failure in tally.failures:
         kind = failure.partition(":")[0]
@@ -325,6 +588,30 @@ async def run(budget_s: float = BUDGET_S) -> list[dict[str, Any]]:
     figures += [
         {"metric": f"tried_{kind}", "value": n, "unit": "", "target": None}
         for kind, n in sorted(tally.tried.items())
+    ]
+    hostile = tried + sum(f.hostile for f in flooded.values())
+    figures.append(
+        {"metric": "hostile_requests_sent", "value": hostile, "unit": "", "target": None}
+    )
+    crashes = sum("died" in f or "exited" in f for f in tally.failures)
+    figures.append({"metric": "crashes", "value": crashes, "unit": "", "target": 0})
+    changed = sum("changed" in f for f in tally.failures)
+    figures.append({"metric": "stored_rows_changed", "value": changed, "unit": "", "target": 0})
+    for kind, flood in flooded.items():
+        figures += [
+            {"metric": f"{kind}_hostile", "value": flood.hostile, "unit": "", "target": None},
+            {"metric": f"{kind}_pings", "value": flood.pings, "unit": "", "target": None},
+            {"metric": f"{kind}_pings_refused", "value": flood.refused, "unit": "", "target": 0},
+        ]
+    for kind, target in (("quiet", None), ("non_reader", 300)):
+        rss = round(flooded[kind].peak_rss / 2**20, 1)
+        figures.append(
+            {"metric": f"{kind}_peak_rss", "value": rss, "unit": "MiB", "target": target}
+        )
+    targets = {"list_p50_ms": 5, "list_status_p50_ms": 5, "list_workflow_p50_ms": 5}
+    figures += [
+        {"metric": k, "value": v, "unit": "ms", "target": targets.get(k)}
+        for k, v in listing.items()
     ]
     by_kind = Counter(f.partition(":")[0].replace(" ", "_") for f in tally.failures)
     figures += [

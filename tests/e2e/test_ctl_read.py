@@ -72,7 +72,9 @@ class TestList:
         assert "no status 'Bogus'" in failed(bogus, 2) and "Waiting" in bogus.stderr.decode()
         assert "--limit" in failed(too_many, 2) and "--limit" in failed(none, 2)
         assert cut.returncode == 0 and len(cut.stdout.splitlines()) == 3
-        assert cut.stderr.decode() == "… 2 of 3 shown; --limit or --cursor for more\n"
+        assert re.fullmatch(
+            r"… 2 of 3 shown; more: workflowctl list --cursor \S+\n", cut.stderr.decode()
+        )
         assert by_type == "no workflows\n"
 
     async def test_since(self, tmp_path: Path) -> None:

@@ -49,7 +49,7 @@ async def fires(c: Client, name: str) -> list[dict[str, Any]]:
 
 async def started_nominals(c: Client, name: str) -> list[float]:
     """Return the nominal times of the workflows a schedule started (not manual ones)."""
-    rows = await c.call("list", workflow="Chime", limit=100_000)
+    rows = await c.call("list", workflow="Chime", limit=1000)
     ids = [r["workflow_id"] for r in rows if r["workflow_id"].startswith(f"{name}:")]
     return sorted(nominal_of(w) for w in ids if ":manual:" not in w)
 

@@ -148,6 +148,23 @@ class MemoryBackend:
         ]
         return sorted(rows, key=lambda r: r["updated_at"], reverse=True)[:limit]
 
+    async def page(
+        self,
+        *,
+        status: str | None = None,
+        workflow: str | None = None,
+        limit: int = 100,
+        after: tuple[float, int] | None = None,
+        parent: str | None = None,
+    ) -> tuple[Records, tuple[float, int] | None]:
+        """List a page of workflows newest first; the position is an offset (enough for a fake)."""
+        rows = await self.list(
+            status=status, workflow=workflow, limit=len(self.workflows), parent=parent
+        )
+        start = 0 if after is None else after[1]
+        end = start + limit
+        return rows[start:end], ((0.0, end) if end < len(rows) else None)
+
     async def show(self, workflow_id: str) -> dict[str, Any]:
         """Return a copy of one workflow."""
         return dict(self._get(workflow_id))

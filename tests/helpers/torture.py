@@ -303,8 +303,14 @@ class Torture:
         try:
             with anyio.fail_after(self.plan.finish_limit_s):
                 while True:
-                    response = await link.until_ok("list", limit=len(self.workflows) + 10)
-                    rows = response["result"]
+                    rows = []
+                    response = await link.until_ok("list", limit=1000)
+                    rows += response["result"]
+                    while "cursor" in response:  # a list answers 1000 rows at most
+                        response = await link.until_ok(
+                            "list", limit=1000, cursor=response["cursor"]
+                        )
+                        rows += response["result"]
                     if len(rows) == len(self.workflows) and all(
                         r["status"] in _FINAL for r in rows
                     ):

@@ -135,7 +135,9 @@ class TestDecodeRequest:
             Start,
             id=st.none() | st.integers() | st.text(),
             workflow=st.text(),
-            workflow_id=st.none() | st.text(),
+            # a workflow id is 1-200 characters with no control character (Unicode's Cc)
+            workflow_id=st.none()
+            | st.text(st.characters(blacklist_categories=["Cc", "Cs"]), min_size=1, max_size=200),
             input=st.none() | st.dictionaries(st.text(), st.integers() | st.text()),
         )
     )
