@@ -99,6 +99,16 @@ class AsyncClient:
         **fields: Any,
     ) -> Any:
         """Send one request (fields that are None left out) and return its result."""
+        return (await self.response(op, timeout=timeout, **fields)).get("result")
+
+    async def response(
+        self,
+        op: str,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - bounds the answer, as in Client
+        **fields: Any,
+    ) -> dict[str, Any]:
+        """Send one request and return its whole final response (`result`, and `cursor`)."""
         limit = self.timeout if timeout is None else timeout
         async with self._turn:
             try:
@@ -106,7 +116,7 @@ class AsyncClient:
                     last: dict[str, Any] = {}
                     async for response in self._exchange(op, fields):
                         last = response
-                    return last.get("result")
+                    return last
             except TimeoutError:
                 await self.aclose()
                 raise Unreachable(f"no answer within {limit:g} s", timed_out=True) from None
@@ -196,6 +206,20 @@ class AsyncClient:
             "list", status=status, workflow=workflow, limit=limit, parent=parent, cursor=cursor
         )
         return result
+
+    async def page(
+        self,
+        *,
+        status: str | None = None,
+        workflow: str | None = None,
+        limit: int | None = None,
+        parent: str | None = None,
+        cursor: str | None = None,
+    ) -> tuple[builtins.list[dict[str, Any]], str | None]:
+        """Return one page of summaries and the cursor of the next (None after the last)."""
+        fields: dict[str, Any] = {"status": status, "workflow": workflow, "limit": limit}
+        response = await self.response("list", parent=parent, cursor=cursor, **fields)
+        return response.get("result") or [], response.get("cursor")
 
     async def show(self, workflow_id: str) -> dict[str, Any]:
         """Return one workflow's data and state."""

@@ -370,11 +370,15 @@ class Client:
 
     def call(self, op: str, *, timeout: float | None = None, **fields: Any) -> Any:
         """Send one request (fields that are None left out) and return its result."""
+        return self.response(op, timeout=timeout, **fields).get("result")
+
+    def response(self, op: str, *, timeout: float | None = None, **fields: Any) -> dict[str, Any]:
+        """Send one request and return its whole final response (`result`, and `cursor`)."""
         limit = self.timeout if timeout is None else timeout
         last: dict[str, Any] = {}
         for response in self.stream(op, timeout=limit, **fields):
             last = response
-        return last.get("result")
+        return last
 
     def ping(self) -> dict[str, Any]:
         """Return the daemon's version and workflow counts."""
@@ -462,6 +466,20 @@ class Client:
             "list", status=status, workflow=workflow, limit=limit, parent=parent, cursor=cursor
         )
         return result
+
+    def page(
+        self,
+        *,
+        status: str | None = None,
+        workflow: str | None = None,
+        limit: int | None = None,
+        parent: str | None = None,
+        cursor: str | None = None,
+    ) -> tuple[builtins.list[dict[str, Any]], str | None]:
+        """Return one page of summaries and the cursor of the next (None after the last)."""
+        fields: dict[str, Any] = {"status": status, "workflow": workflow, "limit": limit}
+        response = self.response("list", parent=parent, cursor=cursor, **fields)
+        return response.get("result") or [], response.get("cursor")
 
     def show(self, workflow_id: str) -> dict[str, Any]:
         """Return one workflow's data and state."""

@@ -442,17 +442,16 @@ def list_workflows(args: argparse.Namespace, client: Client, out: Output) -> int
         "parent": args.parent,
         "cursor": args.cursor,
     }
-    *_, response = client.stream("list", **fields)
-    rows, cursor = response.get("result") or [], response.get("cursor")
+    rows, cursor = client.page(**fields)
     if args.since is not None:  # rows come newest first: the recent ones are a prefix
         cutoff = time.time() - args.since
         kept = [r for r in rows if (r.get("updated_at") or 0) >= cutoff]
         cursor = cursor if len(kept) == len(rows) else None  # the rest are older still
         rows = kept
     out.result("list", rows)
-    if cursor is not None:  # on stderr: stdout (--json too) has exactly the rows
+    if cursor is not None and not out.json:  # --json prints the rows exactly, and only them
         total = ""
-        if not out.json and args.workflow is None and args.since is None and args.parent is None:
+        if args.workflow is None and args.since is None and args.parent is None:
             counts = client.call("ping").get("workflows", {})
             n = counts.get(args.status, 0) if args.status else sum(counts.values())
             total = f" of {n}" if n > len(rows) and args.cursor is None else ""

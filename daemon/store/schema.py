@@ -124,7 +124,8 @@ def list_query(
     if after is not None:
         where.append("(updated_at, rowid) < (?, ?)")
         params += after
-    sql = f"SELECT {COLS}, rowid FROM workflows"
+    # The position of a row (for the next page's `after`) comes last: (updated_at, rowid).
+    sql = f"SELECT {COLS}, updated_at, rowid FROM workflows"
     if where:
         sql += " WHERE " + " AND ".join(where)
     return sql + " ORDER BY updated_at DESC, rowid DESC LIMIT ?", params

@@ -277,7 +277,7 @@ class SQLiteStore:
         more = len(rows) > limit
         rows = rows[:limit]
         position = (rows[-1][-2], rows[-1][-1]) if more else None
-        return [WorkflowRow(*r[:-1]) for r in rows], position
+        return [WorkflowRow(*r[:-2]) for r in rows], position
 
     async def unfinished(self, *, page: int = 1000) -> AsyncIterator[WorkflowRow]:
         """Yield every workflow not in a final status, reading `page` rows at a time."""

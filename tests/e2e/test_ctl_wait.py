@@ -176,6 +176,11 @@ class TestPythonClient:
                     assert ended.value.code == "conflict" and "already ended" in ended.value.message
                     assert missing.value.code == "not_found"
                     assert [r["workflow_id"] for r in c.list()] == ["deploy-42"]
+                    c.start("Vetting", workflow_id="deploy-43")
+                    first, cursor = c.page(limit=1)
+                    rest, end_of = c.page(cursor=cursor)
+                    assert [r["workflow_id"] for r in first + rest] == ["deploy-43", "deploy-42"]
+                    assert cursor is not None and end_of is None
                     assert [h["kind"] for h in c.history("deploy-42")][-1] == "finished"
                     assert c.types()[0]["workflow"] == "Latch"
                     assert any(r.get("event") == "workflow_finished" for r in c.logs())
@@ -199,6 +204,10 @@ class TestPythonClient:
                 await eventually(lambda: waiting(c, "l"))
                 assert await c.send("l", "open") is None
             shown = await c.show("l")
+            await c.start("Latch", workflow_id="m")
+            first, cursor = await c.page(limit=1)
+            rest, end_of = await c.page(cursor=cursor)
+            assert [r["workflow_id"] for r in first + rest] == ["m", "l"] and end_of is None
             with pytest.raises(NotFound):
                 await c.send("nope", "x")
             records = [r async for r in c.logs(workflow_id="l")]
