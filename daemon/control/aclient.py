@@ -202,10 +202,10 @@ class AsyncClient:
         cursor: str | None = None,
     ) -> builtins.list[dict[str, Any]]:
         """Return workflow summaries, newest first (one page: `limit` at most 1000)."""
-        result: builtins.list[dict[str, Any]] = await self.call(
-            "list", status=status, workflow=workflow, limit=limit, parent=parent, cursor=cursor
+        rows, _ = await self.page(
+            status=status, workflow=workflow, limit=limit, parent=parent, cursor=cursor
         )
-        return result
+        return rows
 
     async def page(
         self,

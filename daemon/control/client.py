@@ -462,10 +462,10 @@ class Client:
         cursor: str | None = None,
     ) -> builtins.list[dict[str, Any]]:
         """Return workflow summaries, newest first (one page: `limit` at most 1000)."""
-        result: builtins.list[dict[str, Any]] = self.call(
-            "list", status=status, workflow=workflow, limit=limit, parent=parent, cursor=cursor
+        rows, _ = self.page(
+            status=status, workflow=workflow, limit=limit, parent=parent, cursor=cursor
         )
-        return result
+        return rows
 
     def page(
         self,
