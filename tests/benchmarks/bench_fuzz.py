@@ -452,8 +452,9 @@ def _fill(db: Path, rows: int) -> None:
     cols = schema.COLS
     (template,) = conn.execute(f"SELECT {cols} FROM workflows LIMIT 1").fetchall()
     now = time.time()
+    marks = ", ".join("?" * len(template))
     conn.executemany(
-        f"INSERT INTO workflows ({cols}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        f"INSERT INTO workflows ({cols}) VALUES ({marks})",
         (
             (
                 f"bulk{n}",
@@ -463,6 +464,7 @@ def _fill(db: Path, rows: int) -> None:
                 *template[4:8],
                 now - 3600,
                 now - 3600 + n * 0.03,
+                *template[10:],  # parent, deadline: as the one there (none)
             )
             for n in range(rows)
         ),
