@@ -446,6 +446,10 @@ class Runtime:
         row = await self.store.get(workflow_id)
         if row is None:
             raise WorkflowNotFound(f"no workflow {workflow_id!r}")
+        # Every read first: a show waiting for the store holds no decoded copy of the data
+        # (a flood of shows of a big workflow would hold one each).
+        related = await composition(self.store, row)
+        retry = await self._retry_of(row) if row.attempt and row.next_run_at is not None else None
         out = self._summary(row)
         out.update(
             data=_json_or_text(row.data),
@@ -455,7 +459,7 @@ class Runtime:
             next_run_at=row.next_run_at,
             created_at=row.created_at,
         )
-        out.update(await composition(self.store, row))
+        out.update(related)
         running = actor.running if (actor := self.scheduler.actor(workflow_id)) else []
         if running:
             out["running_step"] = running[0][1].shown()
@@ -465,8 +469,8 @@ class Runtime:
         ]
         if self.scheduler.hold.holds(workflow_id):
             out["held"] = True
-        if row.attempt and row.next_run_at is not None:
-            out["retry"] = await self._retry_of(row)
+        if retry is not None:
+            out["retry"] = retry
         return out
 
     async def _retry_of(self, row: WorkflowRow) -> dict[str, Any]:
