@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 from collections.abc import AsyncIterator, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -37,6 +38,8 @@ from daemon.service.journal import attached as journal_attached
 from daemon.service.log import LogHub, configure_logging
 from daemon.service.notify import Notifier, watchdog_loop
 from daemon.store.base import Store
+from daemon.store.postgres import PostgresStore
+from daemon.store.postgres_schema import redact
 from daemon.store.sqlite import SQLiteStore
 
 log = structlog.get_logger()
@@ -78,11 +81,7 @@ async def run_daemon(
     notifier = Notifier.from_env(unset=True)
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with (
-            SQLiteStore.open(
-                cfg.store.path,
-                synchronous=cfg.store.synchronous,
-                history_keep=cfg.store.history_keep,
-            ) as store,
+            open_store(cfg) as store,
             Runtime.open(store, registry, replace(settings_of(cfg), hold=hold), logs=hub) as rt,
             anyio.create_task_group() as tg,
         ):
@@ -155,7 +154,7 @@ async def run_daemon(
             tg.start_soon(watchdog_loop, notifier)
             tg.start_soon(_report_status, rt, notifier)
             tg.start_soon(_collect_garbage, rt, reloader)
-            log.info("daemon_started", pid=os.getpid(), socket=str(d.socket), db=str(store.path))
+            log.info("daemon_started", pid=os.getpid(), socket=str(d.socket), db=store_name(cfg))
             notifier.ready()
             task_status.started(rt)
             async for signum in signals:
@@ -181,6 +180,19 @@ async def run_daemon(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     notifier.close()
+
+
+def open_store(cfg: Config) -> AbstractAsyncContextManager[Store]:
+    """Open the configured backend: the SQLite file, or the PostgreSQL server."""
+    s = cfg.store
+    if s.backend == "postgres":
+        return PostgresStore.open(s.dsn, passfile=s.passfile, history_keep=s.history_keep)
+    return SQLiteStore.open(s.path, synchronous=s.synchronous, history_keep=s.history_keep)
+
+
+def store_name(cfg: Config) -> str:
+    """Name the configured database for a log record, without a password."""
+    return redact(cfg.store.dsn) if cfg.store.backend == "postgres" else str(cfg.store.path)
 
 
 async def _second_signal(signals: AsyncIterator[int], drain: anyio.CancelScope) -> None:
