@@ -17,7 +17,7 @@ from daemon.clock import get_clock
 from daemon.errors import ConfigError, ScheduleNotFound, Unavailable, WorkflowNotFound
 from daemon.store import postgres_schema as schema
 from daemon.store.base import FireRecord, History, HistoryRow, InboxRow, ScheduleRow, WorkflowRow
-from daemon.store.postgres_writer import Conn, PgGroupWriter
+from daemon.store.postgres_writer import Conn, PgGroupWriter, broken
 from daemon.store.schema import FINAL, FIRES_KEPT, detail_of, to_json
 
 log = structlog.get_logger(__name__)
@@ -216,7 +216,14 @@ class PostgresStore:
     async def _read(self, sql: str, *params: Any) -> builtins.list[asyncpg.Record]:
         if self._writes.closed:
             raise Unavailable("the store is closed")
-        rows: builtins.list[asyncpg.Record] = await self._pool.fetch(sql, *params)
+        try:
+            rows: builtins.list[asyncpg.Record] = await self._pool.fetch(sql, *params)
+        except Exception as e:
+            if not broken(e):
+                raise
+            # A connection the server dropped (a restart, a failover) is only noticed on use:
+            # the pool replaces it, and one more try needs no caller to know.
+            rows = await self._pool.fetch(sql, *params)
         return rows
 
     async def get(self, workflow_id: str) -> WorkflowRow | None:

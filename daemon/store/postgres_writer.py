@@ -14,7 +14,7 @@ import asyncpg
 import structlog
 from asyncpg.pool import PoolConnectionProxy
 
-from daemon.errors import Unavailable
+from daemon.errors import Unavailable, WorkflowdError
 from daemon.store.writer import StoreStats
 
 log = structlog.get_logger(__name__)
@@ -43,6 +43,14 @@ async def _transaction(conn: Conn, batch: builtins.list[_Write]) -> None:
         results = [await w.apply(conn) for w in batch]
     for w, result in zip(batch, results, strict=True):
         w.result = result
+
+
+def broken(e: Exception) -> bool:
+    """Tell whether `e` leaves the connection unusable (rather than one statement refused)."""
+    if isinstance(e, asyncpg.PostgresConnectionError | OSError):
+        return True
+    # Our own errors (WorkflowNotFound, a lost lease) and the server's refusals leave it fine.
+    return not isinstance(e, asyncpg.PostgresError | WorkflowdError)
 
 
 class PgGroupWriter:
@@ -80,7 +88,10 @@ class PgGroupWriter:
                     await _transaction(conn, batch)
                     return 1, False
                 except Exception as e:  # noqa: BLE001 - every caller gets its own error below
-                    if len(batch) == 1 or conn.is_closed():
+                    dead = broken(e)
+                    if dead:
+                        conn.terminate()  # the pool opens a fresh one for the next batch
+                    if len(batch) == 1 or dead or conn.is_closed():
                         for w in batch:
                             w.error = e
                         return 0, False

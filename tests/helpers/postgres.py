@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import tempfile
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 #: The environment variable naming a running server's admin DSN (a database we may CREATE in).
@@ -122,3 +122,24 @@ def drop_database(cluster: Cluster, dsn: str) -> None:
     """Drop a database `fresh_database` made, disconnecting whoever is still on it."""
     name = dsn.split("@/", 1)[1].split("?", 1)[0]
     cluster.psql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@dataclass
+class E2EStore:
+    """What `--store` chose for e2e daemons, and the databases made for the running test."""
+
+    backend: str = "sqlite"
+    cluster: Cluster | None = None
+    #: One database per [store] path a test's configs name, so a restart finds its data.
+    made: dict[str, str] = field(default_factory=dict)
+
+    def dsn_for(self, path: str) -> str:
+        """Return the database standing for the SQLite file `path`, made on first use."""
+        assert self.cluster is not None, "the _postgres_for_e2e fixture sets the cluster"
+        if path not in self.made:
+            self.made[path] = fresh_database(self.cluster)
+        return self.made[path]
+
+
+#: Set by tests/conftest.py from `--store`; read by tests/helpers/harness.write_config.
+E2E = E2EStore()
