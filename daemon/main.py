@@ -38,7 +38,8 @@ from daemon.service.journal import attached as journal_attached
 from daemon.service.log import LogHub, configure_logging
 from daemon.service.notify import Notifier, watchdog_loop
 from daemon.store.base import Store
-from daemon.store.postgres import PostgresStore
+from daemon.store.postgres import Claim, PostgresStore
+from daemon.store.postgres_lease import LeaseLost
 from daemon.store.postgres_schema import redact
 from daemon.store.sqlite import SQLiteStore
 
@@ -46,6 +47,8 @@ log = structlog.get_logger()
 STATUS_EVERY_S = 1.0
 #: How long, at shutdown, answers still being written may take.
 ANSWER_GRACE_S = 1.0
+#: The exit code of a daemon whose PostgreSQL database another daemon took over.
+EXIT_LEASE_LOST = 3
 #: Allocations between young-generation collections (CPython's default is 700).
 GC_THRESHOLD = 10_000
 
@@ -79,9 +82,12 @@ async def run_daemon(
     With `hold`, no workflow runs until `workflowctl resume-all` (or `resume ID`).
     """
     notifier = Notifier.from_env(unset=True)
+    # A standby waits for the database's lease before signals are caught: a stop request
+    # then simply ends it (it holds nothing), as it does any process not started yet.
+    claim = await claim_store(cfg)
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with (
-            open_store(cfg) as store,
+            open_store(cfg, claim) as store,
             Runtime.open(store, registry, replace(settings_of(cfg), hold=hold), logs=hub) as rt,
             anyio.create_task_group() as tg,
         ):
@@ -182,11 +188,21 @@ async def run_daemon(
     notifier.close()
 
 
-def open_store(cfg: Config) -> AbstractAsyncContextManager[Store]:
-    """Open the configured backend: the SQLite file, or the PostgreSQL server."""
+async def claim_store(cfg: Config) -> Claim | None:
+    """For PostgreSQL, wait as a standby until this daemon holds the database's lease."""
     s = cfg.store
-    if s.backend == "postgres":
-        return PostgresStore.open(s.dsn, passfile=s.passfile, history_keep=s.history_keep)
+    if s.backend != "postgres":
+        return None
+    return await PostgresStore.claim(
+        s.dsn, passfile=s.passfile, node_id=s.node_id, lease_s=s.lease_s
+    )
+
+
+def open_store(cfg: Config, claim: Claim | None) -> AbstractAsyncContextManager[Store]:
+    """Open the configured backend: the SQLite file, or the PostgreSQL database claimed."""
+    s = cfg.store
+    if claim is not None:
+        return PostgresStore.open(s.dsn, history_keep=s.history_keep, claim=claim)
     return SQLiteStore.open(s.path, synchronous=s.synchronous, history_keep=s.history_keep)
 
 
@@ -289,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     except StoreLocked as e:
         print(f"workflowd: {e}", file=sys.stderr)
         return 1
+    except LeaseLost as e:  # wrote nothing since; a supervisor restarts it as a standby
+        print(f"workflowd: {e}", file=sys.stderr)
+        return EXIT_LEASE_LOST
     except StoreUnusable as e:  # raised before READY: the daemon never ran
         print(f"workflowd: {e}", file=sys.stderr)
         return 2

@@ -57,6 +57,10 @@ class StoreConfig:
     dsn: str = _opt("str", "")
     #: A libpq passfile (~/.pgpass format) for the dsn's password.
     passfile: Path | None = field(default=None, metadata={"kind": "optpath"})
+    #: This daemon's name among those sharing a PostgreSQL database (default: the hostname).
+    node_id: str = _opt("str", "")
+    #: How long a PostgreSQL lease lasts unrenewed: a dead daemon's standby takes over after it.
+    lease_s: float = _opt("float", 15.0, gt=0)
 
 
 @dataclass(frozen=True)

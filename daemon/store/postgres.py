@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from daemon.clock import get_clock
 from daemon.errors import ConfigError, ScheduleNotFound, Unavailable, WorkflowNotFound
 from daemon.store import postgres_schema as schema
 from daemon.store.base import FireRecord, History, HistoryRow, InboxRow, ScheduleRow, WorkflowRow
+from daemon.store.postgres_lease import Lease, LeaseLost, holder_name
 from daemon.store.postgres_writer import Conn, PgGroupWriter, broken
 from daemon.store.schema import FINAL, FIRES_KEPT, detail_of, to_json
 
@@ -28,55 +31,109 @@ POOL_SIZE = 8
 Entries = Sequence[tuple[float, str, str]]
 
 
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A connection holding the database's lease, and how to open more like it."""
+
+    where: str
+    args: dict[str, Any]
+    conn: asyncpg.Connection
+    lease: Lease
+
+
 class PostgresStore:
     """Workflows in a PostgreSQL database; one writer task commits every write in groups."""
 
-    def __init__(self, where: str, pool: asyncpg.Pool, keep: int) -> None:
+    def __init__(self, where: str, pool: asyncpg.Pool, keep: int, lease: Lease) -> None:
         #: The DSN without its password: what logs and messages name.
         self.where = where
         self.path = Path(where)
+        self.lease = lease
         self._pool = pool
-        self._writes = PgGroupWriter(pool)
+        self._writes = PgGroupWriter(pool, fence=lease.fence)
         self.stats = self._writes.stats
         self._keep = keep
 
-    @classmethod
-    @contextlib.asynccontextmanager
-    async def open(
-        cls, dsn: str, *, passfile: Path | None = None, history_keep: int = 1000
-    ) -> AsyncIterator[PostgresStore]:
-        """Connect, take the daemon lock, migrate; drain the writes and disconnect on exit.
+    @staticmethod
+    async def claim(
+        dsn: str, *, passfile: Path | None = None, node_id: str = "", lease_s: float = 15.0
+    ) -> Claim:
+        """Connect, migrate, and wait as a standby until this daemon holds the database's lease.
 
         A server that cannot be reached or refuses us raises StoreUnusable (one line, no
         password), so the daemon refuses to start rather than fail after it reported READY.
         """
+        where = schema.redact(dsn)
+        node_id = node_id or socket.gethostname()
+        lease = Lease(holder_name(node_id), node_id, lease_s)
+        args = schema.connect_args(dsn, passfile, lease.holder)
+        try:
+            conn = await asyncpg.connect(**args)
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+            raise schema.unusable(where, e) from None
+        try:
+            await schema.migrate(conn, where)
+            await lease.acquire(conn)
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+            await _close(conn)
+            raise schema.unusable(where, e) from None
+        except BaseException:
+            await _close(conn)
+            raise
+        return Claim(where, args, conn, lease)
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(
+        cls,
+        dsn: str,
+        *,
+        passfile: Path | None = None,
+        history_keep: int = 1000,
+        node_id: str = "",
+        lease_s: float = 15.0,
+        claim: Claim | None = None,
+    ) -> AsyncIterator[PostgresStore]:
+        """Claim the database (unless `claim` did), open a pool; drain, release, disconnect on exit.
+
+        When the lease is lost (another daemon took over) the block is cancelled, nothing
+        more is written, and LeaseLost is raised.
+        """
         if history_keep < 1:
             raise ConfigError(f"history_keep must be at least 1, not {history_keep}")
-        where = schema.redact(dsn)
-        args = schema.connect_args(dsn, passfile)
+        if claim is None:
+            claim = await cls.claim(dsn, passfile=passfile, node_id=node_id, lease_s=lease_s)
+        lease = claim.lease
         async with contextlib.AsyncExitStack() as stack:
+            stack.push_async_callback(_close, claim.conn)
+            stack.push_async_callback(_release, claim.conn, lease)
             try:
-                # The daemon lock is a session lock: it lives as long as this connection.
-                lock = await asyncpg.connect(**args)
-                stack.push_async_callback(_close, lock)
-                await schema.hold_daemon_lock(lock, where)
-                await schema.migrate(lock, where)
-                pool = await asyncpg.create_pool(**args, min_size=1, max_size=POOL_SIZE)
+                pool = await asyncpg.create_pool(**claim.args, min_size=1, max_size=POOL_SIZE)
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
-                raise schema.unusable(where, e) from None
+                raise schema.unusable(claim.where, e) from None
             stack.push_async_callback(_close_pool, pool)
-            store = cls(where, pool, history_keep)
+            store = cls(claim.where, pool, history_keep, lease)
             failure: Exception | None = None
             async with anyio.create_task_group() as tg:
+
+                async def keep() -> None:
+                    with contextlib.suppress(LeaseLost):
+                        await lease.keep(pool)
+                    tg.cancel_scope.cancel()  # the daemon on top stops; its writes are fenced
+
                 tg.start_soon(store._writes.run)
+                tg.start_soon(keep)
                 try:
                     yield store
                 except Exception as e:  # noqa: BLE001 - raised below, outside the task group
                     failure = e
                 finally:
                     await store._writes.close()
+                    tg.cancel_scope.cancel()
             if failure is not None:
                 raise failure
+            if lease.lost:
+                raise LeaseLost(f"another workflowd took {claim.where} over")
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -432,3 +489,9 @@ async def _close(conn: Conn) -> None:
 async def _close_pool(pool: asyncpg.Pool) -> None:
     with anyio.CancelScope(shield=True):
         await pool.close()
+
+
+async def _release(conn: Conn, lease: Lease) -> None:
+    """Hand the lease on at a clean stop; a connection gone already has released it too."""
+    with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+        await lease.release(conn)

@@ -8,11 +8,10 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import asyncpg
 
-from daemon.errors import ConfigError, StoreLocked, StoreUnusable
+from daemon.errors import ConfigError, StoreUnusable
 
-#: Advisory lock keys (pg_advisory_*): one for migrations, one held by the running daemon.
+#: The advisory lock key (pg_advisory_xact_lock) migrations run under.
 MIGRATE_LOCK = 0x77666D69  # "wfmi"
-DAEMON_LOCK = 0x77666461  # "wfda"
 COLS = "id, name, status, data, state, error, attempt, next_run_at, created_at, updated_at"
 
 #: MIGRATIONS[n] takes the schema from version n to n + 1; append new ones, never edit old ones.
@@ -49,6 +48,13 @@ MIGRATIONS: list[str] = [
         schedule TEXT NOT NULL, seq BIGINT NOT NULL, at DOUBLE PRECISION NOT NULL,
         kind TEXT NOT NULL, nominal DOUBLE PRECISION, workflow_id TEXT, reason TEXT,
         count INTEGER NOT NULL DEFAULT 1, PRIMARY KEY (schedule, seq)
+    )
+    """,
+    """
+    -- the database lease (daemon.store.postgres_lease): who writes, until when, which term
+    CREATE TABLE leases (
+        name TEXT PRIMARY KEY, holder TEXT NOT NULL, node_id TEXT NOT NULL,
+        until DOUBLE PRECISION NOT NULL, generation BIGINT NOT NULL
     )
     """,
 ]
@@ -97,9 +103,9 @@ def redact(dsn: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, urlencode(query, safe="/"), ""))
 
 
-def connect_args(dsn: str, passfile: Path | None) -> dict[str, Any]:
-    """Return the keyword arguments asyncpg connects with."""
-    args: dict[str, Any] = {"dsn": dsn}
+def connect_args(dsn: str, passfile: Path | None, name: str) -> dict[str, Any]:
+    """Return the keyword arguments asyncpg connects with; `name` is the application_name."""
+    args: dict[str, Any] = {"dsn": dsn, "server_settings": {"application_name": name}}
     if passfile is not None:
         args["passfile"] = str(passfile)
     return args
@@ -124,12 +130,6 @@ async def migrate(conn: asyncpg.Connection, where: str) -> None:
         for v in range(version, len(MIGRATIONS)):
             await conn.execute(MIGRATIONS[v])
             await conn.execute("UPDATE workflowd_schema SET version = $1", v + 1)
-
-
-async def hold_daemon_lock(conn: asyncpg.Connection, where: str) -> None:
-    """Take the one-daemon lock for the session of `conn`, or raise StoreLocked."""
-    if not await conn.fetchval("SELECT pg_try_advisory_lock($1)", DAEMON_LOCK):
-        raise StoreLocked(f"another workflowd holds {where}")
 
 
 def unusable(where: str, e: BaseException) -> StoreUnusable:

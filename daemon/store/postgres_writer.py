@@ -22,6 +22,8 @@ log = structlog.get_logger(__name__)
 Conn: TypeAlias = "asyncpg.Connection[Any] | PoolConnectionProxy[Any]"
 #: A write: runs on the writer's connection inside the batch's transaction.
 Apply = Callable[[Conn], Awaitable[Any]]
+#: Runs first in every transaction and raises if this daemon may no longer write.
+Fence = Callable[[Conn], Awaitable[None]]
 
 
 @dataclass(slots=True, eq=False)
@@ -37,9 +39,11 @@ class _Write:
             self.done.set_result(None)
 
 
-async def _transaction(conn: Conn, batch: builtins.list[_Write]) -> None:
+async def _transaction(conn: Conn, batch: builtins.list[_Write], fence: Fence | None) -> None:
     """Apply and commit `batch` in one transaction, or roll it all back and raise."""
     async with conn.transaction():
+        if fence is not None:
+            await fence(conn)
         results = [await w.apply(conn) for w in batch]
     for w, result in zip(batch, results, strict=True):
         w.result = result
@@ -56,8 +60,9 @@ def broken(e: Exception) -> bool:
 class PgGroupWriter:
     """Callers queue writes and each awaits its own commit; a failed batch is retried one by one."""
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, *, fence: Fence | None = None) -> None:
         self.stats = StoreStats()
+        self._fence = fence
         self._pool = pool
         self._queue: deque[_Write] = deque()
         self._wake = asyncio.Event()
@@ -85,7 +90,7 @@ class PgGroupWriter:
         try:
             async with self._pool.acquire() as conn:
                 try:
-                    await _transaction(conn, batch)
+                    await _transaction(conn, batch, self._fence)
                     return 1, False
                 except Exception as e:  # noqa: BLE001 - every caller gets its own error below
                     dead = broken(e)
@@ -98,7 +103,7 @@ class PgGroupWriter:
                 commits = 0
                 for w in batch:
                     try:
-                        await _transaction(conn, [w])
+                        await _transaction(conn, [w], self._fence)
                         commits += 1
                     except Exception as e:  # noqa: BLE001 - the caller re-raises it as is
                         w.error = e

@@ -1,0 +1,133 @@
+"""The database lease: one daemon at a time writes a PostgreSQL database; the others stand by.
+
+The holder renews a row of `leases` every `lease_s / 3` (server time, so clocks of the
+machines need not agree). A standby takes the lease when it has expired, or at once when no
+connection of the holder is left on the server (the holder died: SIGKILL closes its sockets).
+Taking it bumps `generation`; every write transaction first checks the generation with
+`FOR SHARE`, so a takeover waits for a batch in flight and a daemon that lost the lease (a
+partition, SIGSTOP) writes nothing: its next batch fails and it stops.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass, field
+
+import anyio
+import asyncpg
+import structlog
+
+from daemon.errors import Unavailable
+from daemon.store.postgres_writer import Conn
+
+log = structlog.get_logger(__name__)
+NOW = "extract(epoch FROM clock_timestamp())"
+#: How often a standby looks at the lease at most (it also looks every lease_s / 3).
+STANDBY_POLL_S = 0.5
+
+ACQUIRE = f"""
+    INSERT INTO leases AS l (name, holder, node_id, until, generation)
+    VALUES ('daemon', $1, $2, {NOW} + $3, 1)
+    ON CONFLICT (name) DO UPDATE
+        SET holder = $1, node_id = $2, until = {NOW} + $3, generation = l.generation + 1
+        WHERE l.until < {NOW}
+           OR NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.application_name = l.holder)
+    RETURNING generation
+"""
+RENEW = (
+    f"UPDATE leases SET until = {NOW} + $3 WHERE name = 'daemon' AND holder = $1"
+    " AND generation = $2 RETURNING generation"
+)
+FENCE = (
+    "SELECT generation FROM leases WHERE name = 'daemon' AND holder = $1 AND generation = $2"
+    " FOR SHARE"
+)
+RELEASE = "UPDATE leases SET until = 0 WHERE name = 'daemon' AND holder = $1 AND generation = $2"
+HOLDER = "SELECT node_id, holder, until - " + NOW + " FROM leases WHERE name = 'daemon'"
+
+
+class LeaseLost(Unavailable):
+    """Another daemon took this database over: this one wrote nothing since, and stops."""
+
+
+def holder_name(node_id: str) -> str:
+    """Return a name for this process's connections, unique among the database's clients.
+
+    It is the connections' application_name (at most 63 bytes), by which a standby sees that
+    the holder is gone.
+    """
+    return f"workflowd {node_id[:40]} {os.getpid()} {secrets.token_hex(3)}"[:63]
+
+
+@dataclass(slots=True)
+class Lease:
+    """The lease this daemon holds, or held."""
+
+    holder: str
+    node_id: str
+    lease_s: float
+    generation: int = 0
+    lost: bool = False
+    #: Set once the lease is lost, so the keeper stops at once when a write found out first.
+    gone: anyio.Event = field(default_factory=anyio.Event)
+
+    def lose(self) -> None:
+        """Write nothing more: another daemon holds the database now."""
+        self.lost = True
+        self.gone.set()
+
+    async def acquire(self, conn: Conn) -> None:
+        """Wait as a standby until the lease is ours; log `lease_standby` once while waiting."""
+        waiting = False
+        while True:
+            generation = await conn.fetchval(ACQUIRE, self.holder, self.node_id, self.lease_s)
+            if generation is not None:
+                self.generation = generation
+                log.info("lease_acquired", node_id=self.node_id, generation=generation)
+                return
+            if not waiting:
+                row = await conn.fetchrow(HOLDER)
+                owner = row[0] if row is not None else None
+                log.info("lease_standby", node_id=self.node_id, holder_node=owner)
+                waiting = True
+            await anyio.sleep(min(STANDBY_POLL_S, self.lease_s / 3))
+
+    async def fence(self, conn: Conn) -> None:
+        """Raise LeaseLost unless the lease is still ours; called first in each transaction."""
+        if self.lost:
+            raise LeaseLost("this daemon lost the database's lease")
+        if await conn.fetchval(FENCE, self.holder, self.generation) is None:
+            self.lose()
+            raise LeaseLost("this daemon lost the database's lease")
+
+    async def keep(self, pool: asyncpg.Pool) -> None:
+        """Renew every lease_s / 3 until lost; then raise LeaseLost.
+
+        A server that cannot be reached is retried; once a whole lease has passed without a
+        renewal the lease counts as lost here too, as another daemon may hold it by now.
+        """
+        renewed = anyio.current_time()
+        while True:
+            with anyio.move_on_after(self.lease_s / 3):
+                await self.gone.wait()
+            if self.lost:
+                break
+            try:
+                ok = await pool.fetchval(RENEW, self.holder, self.generation, self.lease_s)
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+                log.warning("lease_renew_failed", error=f"{type(e).__name__}: {e}")
+                if anyio.current_time() - renewed < self.lease_s:
+                    continue
+                ok = None
+            if ok is None:
+                break
+            renewed = anyio.current_time()
+        self.lose()
+        log.error("lease_lost", node_id=self.node_id, generation=self.generation)
+        raise LeaseLost("another daemon took this database over")
+
+    async def release(self, conn: Conn) -> None:
+        """Let a standby take over at once (a clean stop)."""
+        if not self.lost:
+            await conn.execute(RELEASE, self.holder, self.generation)
