@@ -16,7 +16,7 @@ import asyncpg
 
 from tests.helpers.client import connect
 from tests.helpers.harness import Daemon, write_config
-from tests.helpers.wait import logged, settled, wait_status
+from tests.helpers.wait import logged, settled, until, wait_status
 
 MODULES = ["tests.workflows.e2e", "tests.workflows.postgres"]
 LEASE_S = 2.0
@@ -179,9 +179,7 @@ class TestPartition:
             finally:
                 a.proc.send_signal(signal.SIGCONT)
             # Its timer was due while it was stopped: it fires now, and its checkpoint is fenced.
-            with anyio.fail_after(LEASE_S + 10):
-                while a.proc.poll() is None:
-                    await anyio.sleep(0.02)
+            await until(lambda: a.proc is not None and a.proc.poll() is not None, LEASE_S + 10)
             assert a.proc.returncode == 3, a.output()
             assert [r for r in a.records() if r.get("event") == "lease_lost"]
             assert await snapshot(pg_dsn) == before

@@ -6,7 +6,7 @@ import anyio
 import asyncpg
 import pytest
 
-from daemon.errors import ConfigError, StoreLocked, StoreUnusable, Unavailable
+from daemon.errors import ConfigError, StoreUnusable, Unavailable
 from daemon.store import postgres_schema as schema
 from daemon.store.base import WorkflowRow
 from daemon.store.postgres import PostgresStore
@@ -84,15 +84,6 @@ class TestOpen:
         with pytest.raises(ConfigError, match="schema version"):
             async with PostgresStore.open(pg_dsn):
                 pass
-
-    async def test_second_daemon_is_refused(self, pg_dsn: str) -> None:
-        """While one store holds the database another open raises StoreLocked, then succeeds."""
-        async with PostgresStore.open(pg_dsn):
-            with pytest.raises(StoreLocked, match="another workflowd holds"):
-                async with PostgresStore.open(pg_dsn):
-                    pass
-        async with PostgresStore.open(pg_dsn) as store:
-            assert await store.counts() == {}
 
     async def test_unreachable_server_names_it_without_password(self, tmp_path: str) -> None:
         """A server that is not there is one StoreUnusable line; the password is not in it."""
