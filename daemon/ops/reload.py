@@ -35,6 +35,11 @@ RESTART_KEYS = (
     "store.path",
     "store.synchronous",
     "store.history_keep",
+    "store.backend",
+    "store.dsn",
+    "store.passfile",
+    "store.node_id",
+    "store.lease_s",
     "log.format",
 )
 
