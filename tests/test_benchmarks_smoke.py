@@ -9,6 +9,7 @@ import pytest
 
 from tests.benchmarks import (
     bench_control,
+    bench_postgres,
     bench_runtime,
     bench_schedules,
     bench_timers,
@@ -16,6 +17,7 @@ from tests.benchmarks import (
 )
 from tests.benchmarks.run import BENCHMARKS, normalize
 from tests.helpers.disk_torture import FullPlan, disk_full_torture
+from tests.helpers.postgres import Cluster
 
 
 def _check(entry: str, figures: list[dict[str, Any]], metrics: set[str]) -> None:
@@ -120,3 +122,18 @@ class TestSchedulesBench:
         metrics = {f"{k}_p{p}_ms" for k in ("fire_late", "start_late") for p in (50, 99)}
         _check("bench_schedules", figures, {*metrics, "daemon_cpu_per_fire_us"})
         assert {f["fires"] for f in figures} == {10}
+
+
+class TestPostgresBench:
+    """bench_postgres at a tiny size."""
+
+    async def test_group_sizes_and_takeover(self, tmp_path: Path, pg_cluster: Cluster) -> None:
+        """Steps/s for one and two daemons, and a takeover time, as figures."""
+        figures = await bench_postgres.run(
+            tmp_path, workflows=3, steps=2, nodes=(1, 2), lease_s=2.0, cluster=pg_cluster
+        )
+        _check(
+            "bench_postgres",
+            figures,
+            {"daemons_1_steps_per_s", "daemons_2_steps_per_s", "takeover_after_sigkill_s"},
+        )

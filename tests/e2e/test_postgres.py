@@ -91,7 +91,7 @@ class TestStandby:
             (standby,) = await logged(b, "lease_standby")
             assert standby["holder_node"] == "a" and not b.socket.exists()
             async with a.client() as c:
-                await c.call("start", workflow="Alarm", workflow_id="w", input={"id": "w"})
+                await c.call("start", workflow="Snooze", workflow_id="w", input={"id": "w"})
             assert await a.stop() == 0
             await answers(b, limit_s=LEASE_S)  # released: no lease to wait out
             async with b.client() as c:
@@ -164,7 +164,7 @@ class TestPartition:
             b.spawn()
             await logged(b, "lease_standby")
             async with a.client() as c:
-                await c.call("start", workflow="Alarm", workflow_id="w",
+                await c.call("start", workflow="Snooze", workflow_id="w",
                              input={"id": "w", "delay_s": LEASE_S + 1})  # fmt: skip
                 await wait_status(c, "w", "Waiting")
             assert a.proc is not None

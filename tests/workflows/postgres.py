@@ -10,7 +10,7 @@ from tests.workflows.e2e import record
 
 
 @dataclass
-class Alarm(Workflow):
+class Snooze(Workflow):
     """Sleeps `delay_s` on a timer, then runs one recorded step (a second run is a re-run)."""
 
     id: str = ""
