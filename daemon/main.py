@@ -6,6 +6,7 @@ import argparse
 import gc
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import AsyncIterator, Mapping
@@ -41,6 +42,7 @@ from daemon.store.base import Store
 from daemon.store.postgres import Claim, PostgresStore
 from daemon.store.postgres_lease import LeaseLost
 from daemon.store.postgres_schema import redact
+from daemon.store.schema import FINAL
 from daemon.store.sqlite import SQLiteStore
 
 log = structlog.get_logger()
@@ -54,10 +56,23 @@ GC_THRESHOLD = 10_000
 
 
 class DaemonOps:
-    """The control socket's `reload` and `backup`."""
+    """The control socket's `reload` and `backup`, and the nodes `ping` and `show` name."""
 
     def __init__(self, reloader: Reloader, store: Store) -> None:
         self.reloader, self.store = reloader, store
+        # On PostgreSQL the daemon holding the lease runs every workflow; SQLite has one.
+        self.node_id = store.lease.node_id if isinstance(store, PostgresStore) else _hostname()
+
+    async def nodes(self) -> list[dict[str, Any]]:
+        """List the daemons on this database, the one running the workflows first."""
+        if isinstance(self.store, PostgresStore):
+            found = await self.store.nodes()
+            return sorted(found, key=lambda n: n["role"] != "holder")
+        return [{"node_id": self.node_id, "role": "holder", "seen_s_ago": 0.0}]
+
+    def owner(self, status: str) -> str | None:
+        """Name the node that runs a workflow in `status` (none once it ended)."""
+        return None if status in FINAL else self.node_id
 
     async def reload(self) -> dict[str, Any]:
         """Reload as SIGHUP does."""
@@ -196,6 +211,10 @@ async def claim_store(cfg: Config) -> Claim | None:
     return await PostgresStore.claim(
         s.dsn, passfile=s.passfile, node_id=s.node_id, lease_s=s.lease_s
     )
+
+
+def _hostname() -> str:
+    return socket.gethostname()
 
 
 def open_store(cfg: Config, claim: Claim | None) -> AbstractAsyncContextManager[Store]:

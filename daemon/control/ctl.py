@@ -345,6 +345,11 @@ def show(command: str, result: Any) -> str:
     match command, result:
         case "ping", {"version": version, "workflows": dict(counts)}:
             summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no workflows"
+            nodes = result.get("nodes") or []
+            if len(nodes) > 1:  # several daemons share a PostgreSQL database: name them all
+                summary += "; nodes: " + ", ".join(
+                    f"{cell(n.get('node_id'))} ({cell(n.get('role'))})" for n in nodes
+                )
             return f"workflowd {version}: {summary}"
         case "start" | "cancel", {"workflow_id": wid, "status": status}:
             return f"{wid}: {status}"

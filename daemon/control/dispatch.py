@@ -69,6 +69,8 @@ class DaemonOps(Protocol):
 
     async def reload(self) -> dict[str, Any]: ...
     async def backup(self, path: str) -> dict[str, Any]: ...
+    async def nodes(self) -> Records: ...
+    def owner(self, status: str) -> str | None: ...
 
 
 class ScheduleTools(Protocol):
@@ -120,6 +122,7 @@ class Dispatcher:
                     "workflows": await b.counts(),
                     "busy": b.busy(),
                     "incompatible": b.incompatible(),
+                    **({"nodes": await self._ops.nodes()} if self._ops is not None else {}),
                 }
             case proto.Start():
                 return await b.start(req.workflow, req.workflow_id, req.input)
@@ -128,7 +131,10 @@ class Dispatcher:
             case proto.List():
                 return await b.list(status=req.status, workflow=req.workflow, limit=req.limit)
             case proto.Show():
-                return await b.show(req.workflow_id)
+                shown = await b.show(req.workflow_id)
+                if self._ops is not None:
+                    shown["owner"] = self._ops.owner(str(shown.get("status")))
+                return shown
             case proto.History():
                 return await b.history(req.workflow_id, limit=req.limit)
             case proto.Cancel():

@@ -359,6 +359,13 @@ class PostgresStore:
             " (consistent while workflowd runs) or the server's base backups, not workflowctl"
         )
 
+    async def nodes(self) -> builtins.list[dict[str, Any]]:
+        """Return the daemons seen lately on this database (`ping`), the lease holder marked."""
+        if self._writes.closed:
+            raise Unavailable("the store is closed")
+        async with self._pool.acquire() as conn:
+            return await self.lease.nodes(conn)
+
     async def counts(self) -> dict[str, int]:
         """Return how many workflows are in each status."""
         rows = await self._read("SELECT status, COUNT(*) FROM workflows GROUP BY status")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import secrets
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import asyncpg
@@ -44,6 +45,17 @@ FENCE = (
     " FOR SHARE"
 )
 RELEASE = "UPDATE leases SET until = 0 WHERE name = 'daemon' AND holder = $1 AND generation = $2"
+SEEN = (
+    f"INSERT INTO nodes (holder, node_id, seen_at) VALUES ($1, $2, {NOW})"
+    f" ON CONFLICT (holder) DO UPDATE SET seen_at = {NOW}"
+)
+GONE = "DELETE FROM nodes WHERE holder = $1"
+#: The daemons seen within $1 seconds (each one notes itself every lease_s / 3 at most).
+NODES = f"""
+    SELECT n.node_id, n.holder = l.holder AND l.until > {NOW}, {NOW} - n.seen_at
+    FROM nodes n LEFT JOIN leases l ON l.name = 'daemon'
+    WHERE n.seen_at > {NOW} - $1 ORDER BY n.node_id, n.holder
+"""
 HOLDER = "SELECT node_id, holder, until - " + NOW + " FROM leases WHERE name = 'daemon'"
 
 
@@ -83,9 +95,11 @@ class Lease:
         while True:
             generation = await conn.fetchval(ACQUIRE, self.holder, self.node_id, self.lease_s)
             if generation is not None:
+                await conn.execute(SEEN, self.holder, self.node_id)
                 self.generation = generation
                 log.info("lease_acquired", node_id=self.node_id, generation=generation)
                 return
+            await conn.execute(SEEN, self.holder, self.node_id)
             if not waiting:
                 row = await conn.fetchrow(HOLDER)
                 owner = row[0] if row is not None else None
@@ -115,7 +129,8 @@ class Lease:
                 break
             try:
                 ok = await pool.fetchval(RENEW, self.holder, self.generation, self.lease_s)
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+                await pool.execute(SEEN, self.holder, self.node_id)
+            except Exception as e:  # noqa: BLE001 - any failure to renew is retried, never fatal
                 log.warning("lease_renew_failed", error=f"{type(e).__name__}: {e}")
                 if anyio.current_time() - renewed < self.lease_s:
                     continue
@@ -127,7 +142,16 @@ class Lease:
         log.error("lease_lost", node_id=self.node_id, generation=self.generation)
         raise LeaseLost("another daemon took this database over")
 
+    async def nodes(self, conn: Conn) -> list[dict[str, Any]]:
+        """Return the daemons seen lately on this database, the lease holder marked."""
+        rows = await conn.fetch(NODES, self.lease_s)
+        return [
+            {"node_id": n, "role": "holder" if holds else "standby", "seen_s_ago": round(ago, 1)}
+            for n, holds, ago in rows
+        ]
+
     async def release(self, conn: Conn) -> None:
         """Let a standby take over at once (a clean stop)."""
+        await conn.execute(GONE, self.holder)
         if not self.lost:
             await conn.execute(RELEASE, self.holder, self.generation)

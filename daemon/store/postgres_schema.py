@@ -57,6 +57,12 @@ MIGRATIONS: list[str] = [
         until DOUBLE PRECISION NOT NULL, generation BIGINT NOT NULL
     )
     """,
+    """
+    -- every daemon on the database, holder or standby, notes itself here (`ping` lists them)
+    CREATE TABLE nodes (
+        holder TEXT PRIMARY KEY, node_id TEXT NOT NULL, seen_at DOUBLE PRECISION NOT NULL
+    )
+    """,
 ]
 
 INSERT_WORKFLOW = (

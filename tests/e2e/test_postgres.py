@@ -92,11 +92,18 @@ class TestStandby:
             assert standby["holder_node"] == "a" and not b.socket.exists()
             async with a.client() as c:
                 await c.call("start", workflow="Snooze", workflow_id="w", input={"id": "w"})
+                pinged = await c.call("ping")
+                assert [(n["node_id"], n["role"]) for n in pinged["nodes"]] == [
+                    ("a", "holder"), ("b", "standby"),
+                ]  # fmt: skip
+                assert (await c.call("show", workflow_id="w"))["owner"] == "a"
             assert await a.stop() == 0
             await answers(b, limit_s=LEASE_S)  # released: no lease to wait out
             async with b.client() as c:
                 shown = await wait_status(c, "w", "Finished")
-            assert shown["data"]["runs"] == 1
+                assert shown["data"]["runs"] == 1 and shown["owner"] is None  # it ended
+                pinged = await c.call("ping")
+                assert [(n["node_id"], n["role"]) for n in pinged["nodes"]] == [("b", "holder")]
             assert step_runs(steplog) == {"w work": 1}
         finally:
             await stop_all(a, b)
