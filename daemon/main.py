@@ -39,8 +39,8 @@ from daemon.service.journal import attached as journal_attached
 from daemon.service.log import LogHub, configure_logging
 from daemon.service.notify import Notifier, watchdog_loop
 from daemon.store.base import Store
-from daemon.store.postgres import Claim, PostgresStore
-from daemon.store.postgres_lease import LeaseLost
+from daemon.store.postgres import PostgresStore
+from daemon.store.postgres_lease import Claim, LeaseLost
 from daemon.store.postgres_schema import redact
 from daemon.store.schema import FINAL
 from daemon.store.sqlite import SQLiteStore

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import socket
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +17,8 @@ from daemon.clock import get_clock
 from daemon.errors import ConfigError, ScheduleNotFound, Unavailable, WorkflowNotFound
 from daemon.store import postgres_schema as schema
 from daemon.store.base import FireRecord, History, HistoryRow, InboxRow, ScheduleRow, WorkflowRow
-from daemon.store.postgres_lease import Lease, LeaseLost, holder_name
+from daemon.store.postgres_lease import Claim, Lease, LeaseLost, close
+from daemon.store.postgres_lease import claim as claim_database
 from daemon.store.postgres_writer import Conn, PgGroupWriter, broken
 from daemon.store.schema import FINAL, FIRES_KEPT, detail_of, to_json
 
@@ -29,16 +28,6 @@ TRIM_EVERY = 16
 #: Connections for reads (the writer takes one of them per batch).
 POOL_SIZE = 8
 Entries = Sequence[tuple[float, str, str]]
-
-
-@dataclass(frozen=True, slots=True)
-class Claim:
-    """A connection holding the database's lease, and how to open more like it."""
-
-    where: str
-    args: dict[str, Any]
-    conn: asyncpg.Connection
-    lease: Lease
 
 
 class PostgresStore:
@@ -54,33 +43,8 @@ class PostgresStore:
         self.stats = self._writes.stats
         self._keep = keep
 
-    @staticmethod
-    async def claim(
-        dsn: str, *, passfile: Path | None = None, node_id: str = "", lease_s: float = 15.0
-    ) -> Claim:
-        """Connect, migrate, and wait as a standby until this daemon holds the database's lease.
-
-        A server that cannot be reached or refuses us raises StoreUnusable (one line, no
-        password), so the daemon refuses to start rather than fail after it reported READY.
-        """
-        where = schema.redact(dsn)
-        node_id = node_id or socket.gethostname()
-        lease = Lease(holder_name(node_id), node_id, lease_s)
-        args = schema.connect_args(dsn, passfile, lease.holder)
-        try:
-            conn = await asyncpg.connect(**args)
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
-            raise schema.unusable(where, e) from None
-        try:
-            await schema.migrate(conn, where)
-            await lease.acquire(conn)
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
-            await _close(conn)
-            raise schema.unusable(where, e) from None
-        except BaseException:
-            await _close(conn)
-            raise
-        return Claim(where, args, conn, lease)
+    #: Connect, migrate, and wait as a standby until this daemon holds the database's lease.
+    claim = staticmethod(claim_database)
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -105,7 +69,7 @@ class PostgresStore:
             claim = await cls.claim(dsn, passfile=passfile, node_id=node_id, lease_s=lease_s)
         lease = claim.lease
         async with contextlib.AsyncExitStack() as stack:
-            stack.push_async_callback(_close, claim.conn)
+            stack.push_async_callback(close, claim.conn)
             stack.push_async_callback(_release, claim.conn, lease)
             try:
                 pool = await asyncpg.create_pool(**claim.args, min_size=1, max_size=POOL_SIZE)
@@ -486,11 +450,6 @@ class PostgresStore:
             limit,
         )
         return [FireRecord(*r) for r in reversed(rows)]
-
-
-async def _close(conn: Conn) -> None:
-    with anyio.CancelScope(shield=True):
-        await conn.close()
 
 
 async def _close_pool(pool: asyncpg.Pool) -> None:

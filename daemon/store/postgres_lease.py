@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -20,6 +22,7 @@ import asyncpg
 import structlog
 
 from daemon.errors import Unavailable
+from daemon.store import postgres_schema as schema
 from daemon.store.postgres_writer import Conn
 
 log = structlog.get_logger(__name__)
@@ -155,3 +158,47 @@ class Lease:
         await conn.execute(GONE, self.holder)
         if not self.lost:
             await conn.execute(RELEASE, self.holder, self.generation)
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A connection holding the database's lease, and how to open more like it."""
+
+    where: str
+    args: dict[str, Any]
+    conn: asyncpg.Connection
+    lease: Lease
+
+
+async def claim(
+    dsn: str, *, passfile: Path | None = None, node_id: str = "", lease_s: float = 15.0
+) -> Claim:
+    """Connect, migrate, and wait as a standby until this daemon holds the database's lease.
+
+    A server that cannot be reached or refuses us raises StoreUnusable (one line, no
+    password), so the daemon refuses to start rather than fail after it reported READY.
+    """
+    where = schema.redact(dsn)
+    node_id = node_id or socket.gethostname()
+    lease = Lease(holder_name(node_id), node_id, lease_s)
+    args = schema.connect_args(dsn, passfile, lease.holder)
+    try:
+        conn = await asyncpg.connect(**args)
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+        raise schema.unusable(where, e) from None
+    try:
+        await schema.migrate(conn, where)
+        await lease.acquire(conn)
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+        await close(conn)
+        raise schema.unusable(where, e) from None
+    except BaseException:
+        await close(conn)
+        raise
+    return Claim(where, args, conn, lease)
+
+
+async def close(conn: Conn) -> None:
+    """Close a connection, also while the caller is being cancelled."""
+    with anyio.CancelScope(shield=True):
+        await conn.close()
