@@ -112,20 +112,19 @@ class PostgresStore:
     async def _update(
         self, wid: str, sql: str, head: tuple[Any, ...], history: History, done: Sequence[int] = ()
     ) -> None:
-        """Run an UPDATE ending in `updated_at`, `history_seq`, `id`; append history; drop inbox rows."""
+        """Run an UPDATE ending in `updated_at`, `history_seq`, `id`; append history; drop inbox rows.
+
+        All of it is one statement (schema.with_history): a checkpoint costs one round trip.
+        """
         now = get_clock().now()
-        entries = [(now, kind, to_json(detail)) for kind, detail in history]
-        params = (*head, now, len(entries), wid) if head else (len(entries), wid)
-        inbox = builtins.list(done)
+        kinds = [kind for kind, _ in history]
+        details = [to_json(detail) for _, detail in history]
+        params = (*head, now, len(kinds), wid) if head else (len(kinds), wid)
+        extra = (kinds, details, now, self._keep, builtins.list(done))
 
         async def apply(conn: Conn) -> None:
-            last = await conn.fetchval(sql, *params)
-            if last is None:
+            if await conn.fetchval(sql, *params, *extra) is None:
                 raise WorkflowNotFound(f"no workflow {wid!r}")
-            if entries:
-                await self._append(conn, wid, last, entries)
-            if inbox:
-                await conn.execute(schema.DELETE_INBOX, inbox)
 
         await self._writes.submit(apply)
 

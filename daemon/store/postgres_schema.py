@@ -69,18 +69,50 @@ INSERT_WORKFLOW = (
     f"INSERT INTO workflows ({COLS}, history_seq)"
     " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) ON CONFLICT (id) DO NOTHING"
 )
-CHECKPOINT = (
+
+
+def with_history(update: str, k: int) -> str:
+    """Make one statement of `update` (k parameters, `$k - 1` the entries, `$k` the id) that
+    also appends history, trims it to the newest `keep` and drops applied inbox rows.
+
+    The extra parameters: kinds text[], details text[], at, keep, inbox ids bigint[]. No row
+    comes back if the workflow does not exist, and then nothing else happens either.
+    """
+    n, wid = f"${k - 1}", f"${k}"
+    kinds, details, at, keep, inbox = (f"${k + i}" for i in range(1, 6))
+    return f"""
+        WITH u AS ({update}),
+        appended AS (
+            INSERT INTO history (workflow_id, seq, at, kind, detail)
+            SELECT {wid}, u.history_seq - {n} + t.ord, {at}::float8, t.kind, t.detail
+            FROM u, unnest({kinds}::text[], {details}::text[]) WITH ORDINALITY AS t(kind, detail, ord)
+            WHERE u.history_seq - {n} + t.ord > u.history_seq - {keep}::bigint
+        ),
+        trimmed AS (
+            DELETE FROM history WHERE workflow_id = {wid}
+            AND seq <= (SELECT history_seq - {keep}::bigint FROM u)
+        ),
+        applied AS (
+            DELETE FROM inbox WHERE id = ANY({inbox}::bigint[]) AND EXISTS (SELECT 1 FROM u)
+        )
+        SELECT history_seq FROM u
+    """
+
+
+CHECKPOINT = with_history(
     "UPDATE workflows SET status = $1, data = $2, state = $3, error = $4, attempt = $5,"
     " next_run_at = $6, updated_at = $7, history_seq = history_seq + $8 WHERE id = $9"
-    " RETURNING history_seq"
+    " RETURNING history_seq",
+    9,
 )
-SET_STATUS = (
+SET_STATUS = with_history(
     "UPDATE workflows SET status = $1, error = $2, attempt = COALESCE($3, attempt),"
     " next_run_at = $4, updated_at = $5, history_seq = history_seq + $6 WHERE id = $7"
-    " RETURNING history_seq"
+    " RETURNING history_seq",
+    7,
 )
-ADD_HISTORY = (
-    "UPDATE workflows SET history_seq = history_seq + $1 WHERE id = $2 RETURNING history_seq"
+ADD_HISTORY = with_history(
+    "UPDATE workflows SET history_seq = history_seq + $1 WHERE id = $2 RETURNING history_seq", 2
 )
 INSERT_HISTORY = (
     "INSERT INTO history (workflow_id, seq, at, kind, detail) VALUES ($1, $2, $3, $4, $5)"
