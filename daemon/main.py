@@ -41,6 +41,7 @@ from daemon.service.notify import Notifier, watchdog_loop
 from daemon.store.base import Store
 from daemon.store.postgres import PostgresStore
 from daemon.store.postgres_lease import Claim, LeaseLost
+from daemon.store.postgres_lease import release as release_claim
 from daemon.store.postgres_schema import redact
 from daemon.store.schema import FINAL
 from daemon.store.sqlite import SQLiteStore
@@ -97,9 +98,12 @@ async def run_daemon(
     With `hold`, no workflow runs until `workflowctl resume-all` (or `resume ID`).
     """
     notifier = Notifier.from_env(unset=True)
-    # A standby waits for the database's lease before signals are caught: a stop request
-    # then simply ends it (it holds nothing), as it does any process not started yet.
-    claim = await claim_store(cfg)
+    claim = None
+    if cfg.store.backend == "postgres":
+        claim = await claim_or_stop(cfg)
+        if claim is None:  # stopped while standing by: it held nothing
+            notifier.close()
+            return
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with (
             open_store(cfg, claim) as store,
@@ -203,14 +207,42 @@ async def run_daemon(
     notifier.close()
 
 
-async def claim_store(cfg: Config) -> Claim | None:
-    """For PostgreSQL, wait as a standby until this daemon holds the database's lease."""
+async def claim_or_stop(cfg: Config) -> Claim | None:
+    """Wait as a standby until this daemon holds the PostgreSQL database's lease.
+
+    Return None if SIGTERM or SIGINT came first (also in the moment the lease came: it is
+    handed back then, for the stop request wins).
+    """
     s = cfg.store
-    if s.backend != "postgres":
+    got: list[Claim] = []
+    failed: list[Exception] = []
+    stopped = False
+
+    async def claim(scope: anyio.CancelScope) -> None:
+        try:
+            got.append(
+                await PostgresStore.claim(
+                    s.dsn, passfile=s.passfile, node_id=s.node_id, lease_s=s.lease_s
+                )
+            )
+        except Exception as e:  # noqa: BLE001 - raised below, outside the task group
+            failed.append(e)
+        scope.cancel()
+
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(claim, tg.cancel_scope)
+            async for signum in signals:
+                log.info("daemon_stopping", signal=signal.Signals(signum).name, standby=True)
+                stopped = True
+                tg.cancel_scope.cancel()
+                break
+    if failed:
+        raise failed[0]
+    if stopped and got:
+        await release_claim(got[0])
         return None
-    return await PostgresStore.claim(
-        s.dsn, passfile=s.passfile, node_id=s.node_id, lease_s=s.lease_s
-    )
+    return got[0] if got else None
 
 
 def _hostname() -> str:

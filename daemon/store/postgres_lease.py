@@ -10,6 +10,7 @@ partition, SIGSTOP) writes nothing: its next batch fails and it stops.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
@@ -192,10 +193,22 @@ async def claim(
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
         await close(conn)
         raise schema.unusable(where, e) from None
-    except BaseException:
+    except BaseException:  # stopped while standing by: `ping` need not list it any more
+        with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+            await conn.execute(GONE, lease.holder)
         await close(conn)
         raise
     return Claim(where, args, conn, lease)
+
+
+async def release(claim: Claim) -> None:
+    """Hand a claimed lease back unused and disconnect."""
+    with anyio.CancelScope(shield=True):
+        try:
+            with contextlib.suppress(Exception):  # a lost connection released it already
+                await claim.lease.release(claim.conn)
+        finally:
+            await claim.conn.close()
 
 
 async def close(conn: Conn) -> None:

@@ -108,6 +108,22 @@ class TestStandby:
         finally:
             await stop_all(a, b)
 
+    async def test_a_standby_stops_cleanly(self, short_tmp: Path, pg_dsn: str) -> None:
+        """SIGTERM to a standby ends it with exit 0; the holder goes on."""
+        steplog = short_tmp / "steps.log"
+        a, b = node(short_tmp, "a", pg_dsn, steplog), node(short_tmp, "b", pg_dsn, steplog)
+        try:
+            await a.start()
+            b.spawn()
+            await logged(b, "lease_standby")
+            assert await b.stop() == 0
+            await logged(b, "daemon_stopping", standby=True)
+            async with a.client() as c:
+                pinged = await c.call("ping")
+            assert [n["role"] for n in pinged["nodes"]] == ["holder"]
+        finally:
+            await stop_all(a, b)
+
 
 class TestTakeover:
     async def test_sigkill_hands_every_workflow_to_the_standby(
