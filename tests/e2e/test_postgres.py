@@ -16,7 +16,7 @@ import asyncpg
 
 from tests.helpers.client import connect
 from tests.helpers.harness import Daemon, write_config
-from tests.helpers.wait import logged, settled, until, wait_status
+from tests.helpers.wait import eventually, logged, settled, until, wait_status
 
 MODULES = ["tests.workflows.e2e", "tests.workflows.postgres"]
 LEASE_S = 2.0
@@ -58,6 +58,33 @@ async def snapshot(dsn: str) -> tuple[Any, ...]:
         )
         assert row is not None
         return tuple(row)
+    finally:
+        await conn.close()
+
+
+async def until_finished(dsn: str, want: int, limit_s: float = 120) -> None:
+    """Wait until `want` workflows of the database finished."""
+    conn = await asyncpg.connect(dsn)
+    sql = "SELECT COUNT(*) FROM workflows WHERE status = 'Finished'"
+
+    async def done() -> bool:
+        count: int = await conn.fetchval(sql)
+        return count >= want
+
+    try:
+        await eventually(done, limit_s)
+    finally:
+        await conn.close()
+
+
+async def terminate_connections(dsn: str) -> None:
+    """End every other connection to the database, as a server restart would."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
     finally:
         await conn.close()
 
@@ -123,6 +150,52 @@ class TestStandby:
             assert [n["role"] for n in pinged["nodes"]] == ["holder"]
         finally:
             await stop_all(a, b)
+
+
+class TestShared:
+    async def test_thousand_workflows_through_one_of_three_finish_once(
+        self, short_tmp: Path, pg_dsn: str
+    ) -> None:
+        """1,000 workflows started through one of three daemons all finish, each step once."""
+        steplog = short_tmp / "steps.log"
+        group = [node(short_tmp, n, pg_dsn, steplog) for n in ("a", "b", "c")]
+        try:
+            await group[0].start()
+            for d in group[1:]:
+                d.spawn()
+                await logged(d, "lease_standby")
+            async with group[0].client() as c:
+                for i in range(1000):
+                    await c.call("start", workflow="Steps", workflow_id=f"w{i}",
+                                 input={"id": f"w{i}", "n": 2, "delay_s": 0})  # fmt: skip
+                await until_finished(pg_dsn, 1000)
+                await settled(c)
+            runs = step_runs(steplog)
+            assert len(runs) == 2000 and set(runs.values()) == {1}
+        finally:
+            await stop_all(*group)
+
+    async def test_the_server_dropping_every_connection_is_survived(
+        self, short_tmp: Path, pg_dsn: str
+    ) -> None:
+        """The server ending all of the holder's connections mid-run (a restart, a failover of
+        the server): writes are retried, the lease is renewed, every workflow finishes."""
+        steplog = short_tmp / "steps.log"
+        a = node(short_tmp, "a", pg_dsn, steplog)
+        try:
+            await a.start()
+            async with a.client() as c:
+                for i in range(20):
+                    await c.call("start", workflow="Steps", workflow_id=f"w{i}",
+                                 input={"id": f"w{i}", "n": 20, "delay_s": 0.01})  # fmt: skip
+                await logged(a, "step_done", count=20)
+                await terminate_connections(pg_dsn)
+                await until_finished(pg_dsn, 20, limit_s=60)
+                assert (await c.call("ping"))["workflows"] == {"Finished": 20}
+            assert a.proc is not None and a.proc.poll() is None
+            assert not [r for r in a.records() if r.get("event") == "lease_lost"]
+        finally:
+            await stop_all(a)
 
 
 class TestTakeover:
