@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     except LeaseLost as e:  # wrote nothing since; a supervisor restarts it as a standby
         print(f"workflowd: {e}", file=sys.stderr)
         return EXIT_LEASE_LOST
-    except StoreUnusable as e:  # raised before READY: the daemon never ran
+    except (StoreUnusable, ConfigError) as e:  # raised before READY (a newer schema, say)
         print(f"workflowd: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -6,6 +6,7 @@ Each test gets a database of its own on the session's throwaway cluster (`pg_dsn
 from __future__ import annotations
 
 import collections
+import os
 import signal
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ import anyio
 import asyncpg
 
 from tests.helpers.client import connect
-from tests.helpers.harness import Daemon, write_config
+from tests.helpers.harness import Daemon, run_workflowd, write_config
 from tests.helpers.wait import eventually, logged, settled, until, wait_status
 
 MODULES = ["tests.workflows.e2e", "tests.workflows.postgres"]
@@ -150,6 +151,33 @@ class TestStandby:
             assert [n["role"] for n in pinged["nodes"]] == ["holder"]
         finally:
             await stop_all(a, b)
+
+
+class TestStart:
+    async def test_unreachable_server_exits_2_without_the_password(self, short_tmp: Path) -> None:
+        """A server that is not there stops the start: exit 2, one line, no password."""
+        store = {"backend": "postgres", "dsn": f"postgresql://wf@/db?host={short_tmp}&port=1"}
+        config = write_config(short_tmp, MODULES, store=store)
+        env = {**os.environ, "PGPASSWORD": "s3cret"}
+        code, stderr = await run_workflowd(config, env=env)
+        assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+        assert (
+            stderr.startswith("workflowd: cannot open postgresql://wf@/db")
+            and "s3cret" not in stderr
+        )
+
+    async def test_newer_schema_exits_2(self, short_tmp: Path, pg_dsn: str) -> None:
+        """A database from a newer workflowd is refused with one line, exit 2, untouched."""
+        d = node(short_tmp, "a", pg_dsn, short_tmp / "steps.log")
+        await d.start()
+        assert await d.stop() == 0
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            await conn.execute("UPDATE workflowd_schema SET version = version + 5")
+        finally:
+            await conn.close()
+        code, stderr = await run_workflowd(d.config)
+        assert code == 2 and "schema version" in stderr and len(stderr.splitlines()) == 1
 
 
 class TestShared:

@@ -117,10 +117,15 @@ class Daemon:
             yield c
 
 
-async def run_workflowd(config: Path, cwd: Path | None = None) -> tuple[int, str]:
+async def run_workflowd(
+    config: Path, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> tuple[int, str]:
     """Run workflowd to completion (for start-up failures); return exit code and stderr."""
     proc = await anyio.run_process(
-        [sys.executable, "-m", "daemon.main", "--config", str(config)], cwd=cwd, check=False
+        [sys.executable, "-m", "daemon.main", "--config", str(config)],
+        cwd=cwd,
+        check=False,
+        env=env,
     )
     return proc.returncode, proc.stderr.decode()
 
