@@ -54,6 +54,9 @@ SEEN = (
     f" ON CONFLICT (holder) DO UPDATE SET seen_at = {NOW}"
 )
 GONE = "DELETE FROM nodes WHERE holder = $1"
+#: A daemon that died without saying goodbye is listed as long as it might still be alive,
+#: and its row is dropped a day later (a daemon notes itself under a new name each start).
+FORGET = f"DELETE FROM nodes WHERE seen_at < {NOW} - 86400"
 #: The daemons seen within $1 seconds (each one notes itself every lease_s / 3 at most).
 NODES = f"""
     SELECT n.node_id, n.holder = l.holder AND l.until > {NOW}, {NOW} - n.seen_at
@@ -134,6 +137,7 @@ class Lease:
             try:
                 ok = await pool.fetchval(RENEW, self.holder, self.generation, self.lease_s)
                 await pool.execute(SEEN, self.holder, self.node_id)
+                await pool.execute(FORGET)
             except Exception as e:  # noqa: BLE001 - any failure to renew is retried, never fatal
                 log.warning("lease_renew_failed", error=f"{type(e).__name__}: {e}")
                 if anyio.current_time() - renewed < self.lease_s:
