@@ -23,11 +23,11 @@ MODULES = ["tests.workflows.e2e", "tests.workflows.postgres"]
 LEASE_S = 2.0
 
 
-def node(root: Path, name: str, dsn: str, steplog: Path) -> Daemon:
+def node(root: Path, name: str, dsn: str, steplog: Path, lease_s: float = LEASE_S) -> Daemon:
     """Configure (not start) daemon `name` of a group sharing the database at `dsn`."""
     tmp = root / name
     tmp.mkdir()
-    store = {"backend": "postgres", "dsn": dsn, "node_id": name, "lease_s": LEASE_S}
+    store = {"backend": "postgres", "dsn": dsn, "node_id": name, "lease_s": lease_s}
     return Daemon(tmp, write_config(tmp, MODULES, store=store), {"E2E_STEP_LOG": str(steplog)})
 
 
@@ -112,7 +112,8 @@ class TestStandby:
     ) -> None:
         """A second daemon waits without serving; a clean stop of the first hands over at once."""
         steplog = short_tmp / "steps.log"
-        a, b = node(short_tmp, "a", pg_dsn, steplog), node(short_tmp, "b", pg_dsn, steplog)
+        # A lease far longer than the wait below: only the release can explain the handover.
+        a, b = (node(short_tmp, n, pg_dsn, steplog, lease_s=60) for n in ("a", "b"))
         try:
             await a.start()
             b.spawn()
@@ -126,7 +127,7 @@ class TestStandby:
                 ]  # fmt: skip
                 assert (await c.call("show", workflow_id="w"))["owner"] == "a"
             assert await a.stop() == 0
-            await answers(b, limit_s=LEASE_S)  # released: no lease to wait out
+            await answers(b, limit_s=15)  # released: no lease to wait out
             async with b.client() as c:
                 shown = await wait_status(c, "w", "Finished")
                 assert shown["data"]["runs"] == 1 and shown["owner"] is None  # it ended
@@ -294,7 +295,7 @@ class TestPartition:
             assert a.proc is not None
             a.proc.send_signal(signal.SIGSTOP)
             try:
-                await answers(b, limit_s=LEASE_S + 5)
+                await answers(b, limit_s=LEASE_S + 15)
                 async with b.client() as c:
                     shown = await wait_status(c, "w", "Finished")
                     assert shown["data"]["runs"] == 1
