@@ -98,13 +98,13 @@ async def run_daemon(
     With `hold`, no workflow runs until `workflowctl resume-all` (or `resume ID`).
     """
     notifier = Notifier.from_env(unset=True)
-    claim = None
-    if cfg.store.backend == "postgres":
-        claim = await claim_or_stop(cfg)
-        if claim is None:  # stopped while standing by: it held nothing
-            notifier.close()
-            return
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        claim, reload_asked = None, False
+        if cfg.store.backend == "postgres":
+            claim, reload_asked = await claim_or_stop(cfg, signals)
+            if claim is None:  # stopped while standing by: it held nothing
+                notifier.close()
+                return
         async with (
             open_store(cfg, claim) as store,
             Runtime.open(store, registry, replace(settings_of(cfg), hold=hold), logs=hub) as rt,
@@ -182,6 +182,8 @@ async def run_daemon(
             log.info("daemon_started", pid=os.getpid(), socket=str(d.socket), db=store_name(cfg))
             notifier.ready()
             task_status.started(rt)
+            if reload_asked:  # SIGHUP while it stood by: what was asked for applies now
+                await reloader.reload()
             async for signum in signals:
                 if signum == signal.SIGHUP:
                     await reloader.reload()
@@ -207,16 +209,16 @@ async def run_daemon(
     notifier.close()
 
 
-async def claim_or_stop(cfg: Config) -> Claim | None:
+async def claim_or_stop(cfg: Config, signals: AsyncIterator[int]) -> tuple[Claim | None, bool]:
     """Wait as a standby until this daemon holds the PostgreSQL database's lease.
 
-    Return None if SIGTERM or SIGINT came first (also in the moment the lease came: it is
-    handed back then, for the stop request wins).
+    Return the claim (None if SIGTERM or SIGINT came first; a lease that came in that moment
+    is handed back, for the stop request wins) and whether SIGHUP asked for a reload meanwhile.
     """
     s = cfg.store
     got: list[Claim] = []
     failed: list[Exception] = []
-    stopped = False
+    stopped = reload_asked = False
 
     async def claim(scope: anyio.CancelScope) -> None:
         try:
@@ -229,20 +231,23 @@ async def claim_or_stop(cfg: Config) -> Claim | None:
             failed.append(e)
         scope.cancel()
 
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(claim, tg.cancel_scope)
-            async for signum in signals:
-                log.info("daemon_stopping", signal=signal.Signals(signum).name, standby=True)
-                stopped = True
-                tg.cancel_scope.cancel()
-                break
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(claim, tg.cancel_scope)
+        async for signum in signals:
+            if signum == signal.SIGHUP:
+                log.info("reload_deferred", reason="standing by")
+                reload_asked = True
+                continue
+            log.info("daemon_stopping", signal=signal.Signals(signum).name, standby=True)
+            stopped = True
+            tg.cancel_scope.cancel()
+            break
     if failed:
         raise failed[0]
     if stopped and got:
         await release_claim(got[0])
-        return None
-    return got[0] if got else None
+        return None, False
+    return (got[0] if got else None), reload_asked
 
 
 def _hostname() -> str:

@@ -138,13 +138,17 @@ class TestStandby:
             await stop_all(a, b)
 
     async def test_a_standby_stops_cleanly(self, short_tmp: Path, pg_dsn: str) -> None:
-        """SIGTERM to a standby ends it with exit 0; the holder goes on."""
+        """SIGHUP to a standby is kept for later, SIGTERM ends it with exit 0; the holder goes on."""
         steplog = short_tmp / "steps.log"
         a, b = node(short_tmp, "a", pg_dsn, steplog), node(short_tmp, "b", pg_dsn, steplog)
         try:
             await a.start()
             b.spawn()
             await logged(b, "lease_standby")
+            assert b.proc is not None
+            b.proc.send_signal(signal.SIGHUP)
+            await logged(b, "reload_deferred")
+            assert b.proc.poll() is None
             assert await b.stop() == 0
             await logged(b, "daemon_stopping", standby=True)
             async with a.client() as c:
