@@ -126,8 +126,12 @@ class TestStandby:
                     ("a", "holder"), ("b", "standby"),
                 ]  # fmt: skip
                 assert (await c.call("show", workflow_id="w"))["owner"] == "a"
+            assert b.proc is not None
+            b.proc.send_signal(signal.SIGHUP)  # kept until it holds the lease
+            await logged(b, "reload_deferred")
             assert await a.stop() == 0
             await answers(b, limit_s=15)  # released: no lease to wait out
+            await logged(b, "reloaded")
             async with b.client() as c:
                 shown = await wait_status(c, "w", "Finished")
                 assert shown["data"]["runs"] == 1 and shown["owner"] is None  # it ended
