@@ -30,6 +30,7 @@ from daemon.ops.backup import backup
 from daemon.ops.modules import load_registry, schedules_of
 from daemon.ops.reload import Reloader, settings_of
 from daemon.ops.repairs import Repairs
+from daemon.ops.standby import Standby
 from daemon.runtime.runtime import Runtime
 from daemon.runtime.schedules import Schedules
 from daemon.runtime.supervise import supervise
@@ -220,19 +221,23 @@ async def claim_or_stop(cfg: Config, signals: AsyncIterator[int]) -> tuple[Claim
     failed: list[Exception] = []
     stopped = reload_asked = False
 
+    standing = anyio.Event()
+
     async def claim(scope: anyio.CancelScope) -> None:
         try:
             got.append(
                 await PostgresStore.claim(
-                    s.dsn, passfile=s.passfile, node_id=s.node_id, lease_s=s.lease_s
+                    s.dsn, passfile=s.passfile, node_id=s.node_id, lease_s=s.lease_s,
+                    standby=standing,
                 )
-            )
+            )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - raised below, outside the task group
             failed.append(e)
         scope.cancel()
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(claim, tg.cancel_scope)
+        tg.start_soon(serve_standby, cfg, standing)
         async for signum in signals:
             if signum == signal.SIGHUP:
                 log.info("reload_deferred", reason="standing by")
@@ -248,6 +253,36 @@ async def claim_or_stop(cfg: Config, signals: AsyncIterator[int]) -> tuple[Claim
         await release_claim(got[0])
         return None, False
     return (got[0] if got else None), reload_asked
+
+
+async def serve_standby(cfg: Config, standing: anyio.Event) -> None:
+    """Serve reads of the shared database on the control socket while another daemon holds it.
+
+    Not with socket activation: systemd's listening socket is for the daemon that runs the
+    workflows. A failure here is logged; the daemon goes on standing by without a socket.
+    """
+    await standing.wait()
+    if os.environ.get("LISTEN_PID") == str(os.getpid()):
+        return
+    s, d = cfg.store, cfg.daemon
+    try:
+        async with PostgresStore.reader(
+            s.dsn, passfile=s.passfile, node_id=s.node_id, lease_s=s.lease_s
+        ) as store:
+            standby = Standby(store)
+            await serve(
+                standby,
+                socket_path=d.socket,
+                socket_mode=d.socket_mode,
+                allowed_uids=d.allowed_uids,
+                allowed_groups=d.allowed_groups,
+                max_request_bytes=d.max_request_bytes,
+                max_connections=d.max_connections,
+                idle_timeout=d.idle_timeout_s,
+                ops=standby,
+            )
+    except Exception as e:  # noqa: BLE001 - reads are a courtesy; standing by goes on
+        log.warning("standby_socket_failed", error=f"{type(e).__name__}: {e}")
 
 
 def _hostname() -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from daemon.clock import get_clock
 from daemon.errors import ConfigError, ScheduleNotFound, Unavailable, WorkflowNotFound
 from daemon.store import postgres_schema as schema
 from daemon.store.base import FireRecord, History, HistoryRow, InboxRow, ScheduleRow, WorkflowRow
-from daemon.store.postgres_lease import Claim, Lease, LeaseLost, close
+from daemon.store.postgres_lease import Claim, Lease, LeaseLost, close, holder_name
 from daemon.store.postgres_lease import claim as claim_database
 from daemon.store.postgres_writer import Conn, PgGroupWriter, broken
 from daemon.store.schema import FINAL, FIRES_KEPT, detail_of, to_json
@@ -45,6 +46,21 @@ class PostgresStore:
 
     #: Connect, migrate, and wait as a standby until this daemon holds the database's lease.
     claim = staticmethod(claim_database)
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def reader(
+        cls, dsn: str, *, passfile: Path | None = None, node_id: str = "", lease_s: float = 15.0
+    ) -> AsyncIterator[PostgresStore]:
+        """Open the database for reads only (a standby's view); it writes nothing."""
+        node_id = node_id or socket.gethostname()
+        lease = Lease(holder_name(node_id), node_id, lease_s, lost=True)  # never held: no writes
+        args = schema.connect_args(dsn, passfile, lease.holder)
+        pool = await asyncpg.create_pool(**args, min_size=1, max_size=2)
+        try:
+            yield cls(schema.redact(dsn), pool, 1, lease)
+        finally:
+            await _close_pool(pool)
 
     @classmethod
     @contextlib.asynccontextmanager

@@ -96,8 +96,11 @@ class Lease:
         self.lost = True
         self.gone.set()
 
-    async def acquire(self, conn: Conn) -> None:
-        """Wait as a standby until the lease is ours; log `lease_standby` once while waiting."""
+    async def acquire(self, conn: Conn, standby: anyio.Event | None = None) -> None:
+        """Wait as a standby until the lease is ours; log `lease_standby` once while waiting.
+
+        `standby` is set once it is clear that another daemon holds the lease.
+        """
         waiting = False
         while True:
             generation = await conn.fetchval(ACQUIRE, self.holder, self.node_id, self.lease_s)
@@ -112,6 +115,8 @@ class Lease:
                 owner = row[0] if row is not None else None
                 log.info("lease_standby", node_id=self.node_id, holder_node=owner)
                 waiting = True
+                if standby is not None:
+                    standby.set()
             await anyio.sleep(min(STANDBY_POLL_S, self.lease_s / 3))
 
     async def fence(self, conn: Conn) -> None:
@@ -176,7 +181,12 @@ class Claim:
 
 
 async def claim(
-    dsn: str, *, passfile: Path | None = None, node_id: str = "", lease_s: float = 15.0
+    dsn: str,
+    *,
+    passfile: Path | None = None,
+    node_id: str = "",
+    lease_s: float = 15.0,
+    standby: anyio.Event | None = None,
 ) -> Claim:
     """Connect, migrate, and wait as a standby until this daemon holds the database's lease.
 
@@ -193,7 +203,7 @@ async def claim(
         raise schema.unusable(where, e) from None
     try:
         await schema.migrate(conn, where)
-        await lease.acquire(conn)
+        await lease.acquire(conn, standby)
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
         await close(conn)
         raise schema.unusable(where, e) from None

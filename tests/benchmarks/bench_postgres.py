@@ -106,11 +106,12 @@ async def takeover_s(cluster: Cluster, root: Path, workflows: int, lease_s: floa
         holder.proc.send_signal(signal.SIGKILL)
         with anyio.fail_after(lease_s + 30):
             while True:
-                try:
+                try:  # the standby answers ping too: wait until it names itself holder
                     async with connect(standby.socket) as c:
-                        if (await c.request("ping"))["ok"]:
-                            return time.monotonic() - killed
-                except OSError:
+                        nodes = (await c.request("ping"))["result"]["nodes"]
+                    if [n["node_id"] for n in nodes if n["role"] == "holder"] == ["node1"]:
+                        return time.monotonic() - killed
+                except (OSError, KeyError, anyio.EndOfStream):
                     pass
                 await anyio.sleep(0.01)
     finally:
