@@ -76,6 +76,10 @@ class DaemonOps:
         """Name the node that runs a workflow in `status` (none once it ended)."""
         return None if status in FINAL else self.node_id
 
+    def role(self) -> str:
+        """Say what this daemon is to `ping`: the one that runs the workflows."""
+        return "holder"
+
     async def reload(self) -> dict[str, Any]:
         """Reload as SIGHUP does."""
         return await self.reloader.reload()

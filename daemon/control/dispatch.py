@@ -71,6 +71,7 @@ class DaemonOps(Protocol):
     async def backup(self, path: str) -> dict[str, Any]: ...
     async def nodes(self) -> Records: ...
     def owner(self, status: str) -> str | None: ...
+    def role(self) -> str: ...
 
 
 class ScheduleTools(Protocol):
@@ -122,7 +123,11 @@ class Dispatcher:
                     "workflows": await b.counts(),
                     "busy": b.busy(),
                     "incompatible": b.incompatible(),
-                    **({"nodes": await self._ops.nodes()} if self._ops is not None else {}),
+                    **(
+                        {"nodes": await self._ops.nodes(), "role": self._ops.role()}
+                        if self._ops is not None
+                        else {}
+                    ),
                 }
             case proto.Start():
                 return await b.start(req.workflow, req.workflow_id, req.input)

@@ -116,6 +116,10 @@ class Standby:
         self.holder = holders[0] if holders else None
         return found
 
+    def role(self) -> str:
+        """Say what this daemon is to `ping`: one that stands by."""
+        return "standby"
+
     def owner(self, status: str) -> str | None:
         """Name the node that runs a workflow in `status`: the holder (none once it ended)."""
         return None if status in FINAL else self.holder
