@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import anyio
 import asyncpg
 
 from tests.helpers.client import connect
-from tests.helpers.harness import Daemon, run_workflowd, write_config
+from tests.helpers.harness import REPO, Daemon, run_workflowd, write_config
 from tests.helpers.wait import eventually, logged, settled, until, wait_status
 
 MODULES = ["tests.workflows.e2e", "tests.workflows.postgres"]
@@ -141,6 +142,10 @@ class TestStandby:
                 refused = await c.request("start", workflow="Snooze", workflow_id="x")
                 assert refused["error"]["code"] == "unavailable"
                 assert "node 'a' runs the workflows" in refused["error"]["message"]
+            argv = [sys.executable, "-m", "daemon.control.ctl", "--socket", str(b.socket), "ping"]
+            done = await anyio.run_process(argv, check=False, cwd=REPO)
+            assert done.returncode == 0, done.stderr
+            assert done.stdout.decode().endswith("; nodes: a (holder), b (standby)\n")
             assert b.proc is not None
             b.proc.send_signal(signal.SIGHUP)  # kept until it holds the lease
             await logged(b, "reload_deferred")
