@@ -190,29 +190,38 @@ async def claim(
 ) -> Claim:
     """Connect, migrate, and wait as a standby until this daemon holds the database's lease.
 
-    A server that cannot be reached or refuses us raises StoreUnusable (one line, no
-    password), so the daemon refuses to start rather than fail after it reported READY.
+    A server that cannot be reached or refuses us at first raises StoreUnusable (one line, no
+    password), so the daemon refuses to start rather than fail after it reported READY. Once
+    it stands by, a lost connection (the server restarting) is retried with backoff instead:
+    a standby may wait for days.
     """
     where = schema.redact(dsn)
     node_id = node_id or socket.gethostname()
     lease = Lease(holder_name(node_id), node_id, lease_s)
     args = schema.connect_args(dsn, passfile, lease.holder)
-    try:
-        conn = await asyncpg.connect(**args)
-    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
-        raise schema.unusable(where, e) from None
-    try:
-        await schema.migrate(conn, where)
-        await lease.acquire(conn, standby)
-    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
-        await close(conn)
-        raise schema.unusable(where, e) from None
-    except BaseException:  # stopped while standing by: `ping` need not list it any more
-        with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-            await conn.execute(GONE, lease.holder)
-        await close(conn)
-        raise
-    return Claim(where, args, conn, lease)
+    backoff, connected = STANDBY_POLL_S, False
+    while True:
+        conn: asyncpg.Connection | None = None
+        try:
+            conn = await asyncpg.connect(**args)
+            await schema.migrate(conn, where)
+            connected = True
+            await lease.acquire(conn, standby)
+            return Claim(where, args, conn, lease)
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+            if conn is not None:
+                await close(conn)
+            if not connected:
+                raise schema.unusable(where, e) from None
+            log.warning("lease_standby_retry", error=f"{type(e).__name__}: {e}", in_s=backoff)
+        except BaseException:  # stopped while standing by: `ping` need not list it any more
+            if conn is not None:
+                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                    await conn.execute(GONE, lease.holder)
+                await close(conn)
+            raise
+        await anyio.sleep(backoff)
+        backoff = min(backoff * 2, max(lease_s, 5.0))
 
 
 async def release(claim: Claim) -> None:

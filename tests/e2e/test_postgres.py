@@ -81,13 +81,16 @@ async def until_finished(dsn: str, want: int, limit_s: float = 120) -> None:
         await conn.close()
 
 
-async def terminate_connections(dsn: str) -> None:
-    """End every other connection to the database, as a server restart would."""
+async def terminate_connections(dsn: str, name: str = "%") -> None:
+    """End the other connections to the database (whose application_name is LIKE `name`),
+    as a server restart would."""
     conn = await asyncpg.connect(dsn)
     try:
         await conn.execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
             " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            " AND application_name LIKE $1",
+            name,
         )
     finally:
         await conn.close()
@@ -253,6 +256,23 @@ class TestShared:
             assert not [r for r in a.records() if r.get("event") == "lease_lost"]
         finally:
             await stop_all(a)
+
+    async def test_a_standby_outlives_losing_its_connection(
+        self, short_tmp: Path, pg_dsn: str
+    ) -> None:
+        """The server dropping a standby's connections (a restart) is retried, not fatal."""
+        steplog = short_tmp / "steps.log"
+        a, b = node(short_tmp, "a", pg_dsn, steplog), node(short_tmp, "b", pg_dsn, steplog)
+        try:
+            await a.start()
+            b.spawn()
+            await logged(b, "lease_standby")
+            await terminate_connections(pg_dsn, "workflowd b %")
+            await logged(b, "lease_standby_retry")
+            assert await a.stop() == 0
+            await answers(b, limit_s=LEASE_S + 15)
+        finally:
+            await stop_all(a, b)
 
 
 class TestTakeover:
