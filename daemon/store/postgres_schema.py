@@ -12,7 +12,10 @@ from daemon.errors import ConfigError, StoreUnusable
 
 #: The advisory lock key (pg_advisory_xact_lock) migrations run under.
 MIGRATE_LOCK = 0x77666D69  # "wfmi"
-COLS = "id, name, status, data, state, error, attempt, next_run_at, created_at, updated_at"
+COLS = (
+    "id, name, status, data, state, error, attempt, next_run_at, created_at, updated_at,"
+    " parent, deadline"
+)
 
 #: MIGRATIONS[n] takes the schema from version n to n + 1; append new ones, never edit old ones.
 MIGRATIONS: list[str] = [
@@ -63,11 +66,77 @@ MIGRATIONS: list[str] = [
         holder TEXT PRIMARY KEY, node_id TEXT NOT NULL, seen_at DOUBLE PRECISION NOT NULL
     )
     """,
+    # Hooks: the end of a workflow (Failed, Finished) queues one row in the transaction that
+    # commits it, so a crash can neither lose it nor (with `started_at`) run its hook twice.
+    # Only the lease holder writes, one transaction at a time: ids commit in their order.
+    """
+    CREATE TABLE hook_runs (
+        id BIGSERIAL PRIMARY KEY,  -- the key of one ending: never reused
+        workflow_id TEXT NOT NULL, workflow TEXT NOT NULL, status TEXT NOT NULL, error TEXT,
+        at DOUBLE PRECISION NOT NULL,
+        started_at DOUBLE PRECISION  -- committed before the hook runs: never run again
+    );
+    CREATE FUNCTION workflowd_hook_on_end() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        INSERT INTO hook_runs (workflow_id, workflow, status, error, at)
+        VALUES (NEW.id, NEW.name, NEW.status, NEW.error, NEW.updated_at);
+        RETURN NULL;
+    END
+    $$;
+    CREATE TRIGGER hook_on_end AFTER UPDATE OF status ON workflows FOR EACH ROW
+    WHEN (NEW.status IN ('Failed', 'Finished') AND NEW.status IS DISTINCT FROM OLD.status)
+    EXECUTE FUNCTION workflowd_hook_on_end()
+    """,
+    # Child workflows and deadlines (issue 19): who started a workflow, and when it is cancelled.
+    """
+    ALTER TABLE workflows ADD COLUMN parent TEXT,  -- the workflow whose Child case started it
+        ADD COLUMN deadline DOUBLE PRECISION  -- epoch seconds: cancelled past it (timeout_s)
+    """,
+    # `list` pages newest first by (updated_at, rid), filtered by status, type, parent or none:
+    # each filter reads its own index in order, with no sort. `rid` is SQLite's rowid here: a
+    # stable tie-break for rows changed at the same time (existing rows get one each).
+    """
+    ALTER TABLE workflows ADD COLUMN rid BIGINT GENERATED ALWAYS AS IDENTITY;
+    DROP INDEX workflows_updated;
+    DROP INDEX workflows_status;
+    CREATE INDEX workflows_updated ON workflows (updated_at, rid);
+    CREATE INDEX workflows_status_updated ON workflows (status, updated_at, rid);
+    CREATE INDEX workflows_name_updated ON workflows (name, updated_at, rid);
+    CREATE INDEX workflows_parent ON workflows (parent, updated_at, rid) WHERE parent IS NOT NULL
+    """,
 ]
+
+
+def list_query(
+    status: str | None,
+    name: str | None,
+    after: tuple[float, int] | None,
+    parent: str | None = None,
+) -> tuple[str, list[Any]]:
+    """Return `list`'s SQL, which wants its LIMIT as the last parameter, and the others.
+
+    Rows come newest first, by (updated_at, rid): the order each list index keeps, so a page
+    is read from the index in order and never sorted; a page goes on strictly after `after`.
+    """
+    where: list[str] = []
+    params: list[Any] = []
+    for column, value in (("status", status), ("name", name), ("parent", parent)):
+        if value is not None:
+            params.append(value)
+            where.append(f"{column} = ${len(params)}")
+    if after is not None:
+        params += after
+        where.append(f"(updated_at, rid) < (${len(params) - 1}::float8, ${len(params)}::bigint)")
+    sql = f"SELECT {COLS}, updated_at, rid FROM workflows"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    return sql + f" ORDER BY updated_at DESC, rid DESC LIMIT ${len(params) + 1}", params
+
 
 INSERT_WORKFLOW = (
     f"INSERT INTO workflows ({COLS}, history_seq)"
-    " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) ON CONFLICT (id) DO NOTHING"
+    " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)"
+    " ON CONFLICT (id) DO NOTHING"
 )
 
 

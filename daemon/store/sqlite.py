@@ -40,6 +40,8 @@ from daemon.store.writer import GroupWriter
 
 T = TypeVar("T")
 log = structlog.get_logger(__name__)
+#: Where `updated_at` is in a row of schema.COLS.
+UPDATED_AT = [c.strip() for c in schema.COLS.split(",")].index("updated_at")
 #: A schedule's fire records are trimmed back to FIRES_KEPT each time this many more are added.
 TRIM_EVERY = 16
 
@@ -276,7 +278,8 @@ class SQLiteStore:
         rows = await self._read(sql, [*params, limit + 1], on=self._lister)
         more = len(rows) > limit
         rows = rows[:limit]
-        position = (rows[-1][-2], rows[-1][-1]) if more else None
+        # A row is COLS then rowid; COLS no longer ends with updated_at (parent, deadline do).
+        position = (rows[-1][UPDATED_AT], rows[-1][-1]) if more else None
         return [WorkflowRow(*r[:-1]) for r in rows], position
 
     async def unfinished(self, *, page: int = 1000) -> AsyncIterator[WorkflowRow]:
