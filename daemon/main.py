@@ -331,11 +331,14 @@ async def serve_standby(cfg: Config, standing: anyio.Event) -> None:
                 standby,
                 socket_path=d.socket,
                 socket_mode=d.socket_mode,
+                socket_group=d.socket_group,
                 allowed_uids=d.allowed_uids,
                 allowed_groups=d.allowed_groups,
                 max_request_bytes=d.max_request_bytes,
                 max_connections=d.max_connections,
                 idle_timeout=d.idle_timeout_s,
+                max_in_flight=d.max_in_flight,
+                max_buffered_bytes=d.max_buffered_bytes,
                 ops=standby,
             )
     except Exception as e:  # noqa: BLE001 - reads are a courtesy; standing by goes on

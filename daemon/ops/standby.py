@@ -16,7 +16,8 @@ import msgspec
 
 from daemon.core.state import EventStatus, State
 from daemon.errors import Unavailable, WorkflowNotFound
-from daemon.store.base import WorkflowRow
+from daemon.runtime.children import composition
+from daemon.store.base import Position, WorkflowRow
 from daemon.store.postgres import PostgresStore
 from daemon.store.schema import FINAL
 
@@ -36,7 +37,12 @@ class Standby:
     # -- Backend ----------------------------------------------------------------------------
 
     async def start(
-        self, workflow: str, workflow_id: str | None = None, input: dict[str, Any] | None = None
+        self,
+        workflow: str,
+        workflow_id: str | None = None,
+        input: dict[str, Any] | None = None,
+        *,
+        timeout_s: float | None = None,
     ) -> dict[str, Any]:
         """Refuse: only the lease holder starts workflows."""
         raise self._refuse()
@@ -50,11 +56,31 @@ class Standby:
         raise self._refuse()
 
     async def list(
-        self, *, status: str | None = None, workflow: str | None = None, limit: int = 100
+        self,
+        *,
+        status: str | None = None,
+        workflow: str | None = None,
+        limit: int = 100,
+        parent: str | None = None,
     ) -> builtins.list[dict[str, Any]]:
         """Summarize workflows, newest first, as the holder would."""
-        rows = await self._store.list(status=status, name=workflow, limit=limit)
-        return [summary(row) for row in rows]
+        rows, _ = await self.page(status=status, workflow=workflow, limit=limit, parent=parent)
+        return rows
+
+    async def page(
+        self,
+        *,
+        status: str | None = None,
+        workflow: str | None = None,
+        limit: int = 100,
+        after: Position | None = None,
+        parent: str | None = None,
+    ) -> tuple[builtins.list[dict[str, Any]], Position | None]:
+        """Summarize up to `limit` workflows after `after`, newest first; return where to go on."""
+        rows, position = await self._store.page(
+            status=status, name=workflow, limit=limit, after=after, parent=parent
+        )
+        return [summary(row) for row in rows], position
 
     async def show(self, workflow_id: str) -> dict[str, Any]:
         """Return a workflow's data, state and error as stored."""
@@ -69,6 +95,8 @@ class Standby:
             next_run_at=row.next_run_at,
             created_at=row.created_at,
         )
+        out.update(await composition(self._store, row))
+        out["running"] = []  # a standby runs nothing; the holder's `show` names its steps
         return out
 
     async def history(
@@ -91,6 +119,21 @@ class Standby:
     def incompatible(self) -> int:
         """Count nothing: a standby checks no workflow against its code."""
         return 0
+
+    async def wait(
+        self,
+        workflow_ids: builtins.list[str],
+        *,
+        any: bool = False,
+        timeout_s: float | None = None,
+        until: str = "ended",
+    ) -> dict[str, Any]:
+        """Refuse: endings are seen by the daemon that runs the workflows."""
+        raise self._refuse()
+
+    def types(self) -> builtins.list[dict[str, Any]]:
+        """Refuse: the workflow types are the holder's (its code may differ from ours)."""
+        raise self._refuse()
 
     def subscribe_logs(
         self, workflow_id: str | None = None, *, follow: bool = True
@@ -146,6 +189,8 @@ def summary(row: WorkflowRow) -> dict[str, Any]:
         "waiting_for": waiting,
         "error": row.error,
         "incompatible": None,
+        "parent": row.parent,
+        "running": [],
     }
 
 

@@ -16,8 +16,18 @@ import structlog
 
 from daemon.clock import get_clock
 from daemon.errors import ConfigError, ScheduleNotFound, Unavailable, WorkflowNotFound
+from daemon.observe.hooks import HookRow
+from daemon.observe.metrics import Metrics
 from daemon.store import postgres_schema as schema
-from daemon.store.base import FireRecord, History, HistoryRow, InboxRow, ScheduleRow, WorkflowRow
+from daemon.store.base import (
+    FireRecord,
+    History,
+    HistoryRow,
+    InboxRow,
+    Position,
+    ScheduleRow,
+    WorkflowRow,
+)
 from daemon.store.postgres_lease import Claim, Lease, LeaseLost, close, holder_name
 from daemon.store.postgres_lease import claim as claim_database
 from daemon.store.postgres_writer import Conn, PgGroupWriter, broken
@@ -28,19 +38,33 @@ log = structlog.get_logger(__name__)
 TRIM_EVERY = 16
 #: Connections for reads (the writer takes one of them per batch).
 POOL_SIZE = 8
+#: Connections of their own for `list` pages: a flood of them queues behind itself, not in
+#: front of the writer, ping's counts or a send's lookups.
+LISTER_POOL_SIZE = 2
+#: Where `updated_at` is in a row of schema.COLS (a list page's position is made of it).
+UPDATED_AT = [c.strip() for c in schema.COLS.split(",")].index("updated_at")
 Entries = Sequence[tuple[float, str, str]]
 
 
 class PostgresStore:
     """Workflows in a PostgreSQL database; one writer task commits every write in groups."""
 
-    def __init__(self, where: str, pool: asyncpg.Pool, keep: int, lease: Lease) -> None:
+    def __init__(
+        self,
+        where: str,
+        pool: asyncpg.Pool,
+        keep: int,
+        lease: Lease,
+        metrics: Metrics | None = None,
+        lister: asyncpg.Pool | None = None,
+    ) -> None:
         #: The DSN without its password: what logs and messages name.
         self.where = where
         self.path = Path(where)
         self.lease = lease
         self._pool = pool
-        self._writes = PgGroupWriter(pool, fence=lease.fence)
+        self._lister = lister or pool
+        self._writes = PgGroupWriter(pool, fence=lease.fence, metrics=metrics)
         self.stats = self._writes.stats
         self._keep = keep
 
@@ -73,6 +97,7 @@ class PostgresStore:
         node_id: str = "",
         lease_s: float = 15.0,
         claim: Claim | None = None,
+        metrics: Metrics | None = None,
     ) -> AsyncIterator[PostgresStore]:
         """Claim the database (unless `claim` did), open a pool; drain, release, disconnect on exit.
 
@@ -89,10 +114,14 @@ class PostgresStore:
             stack.push_async_callback(_release, claim.conn, lease)
             try:
                 pool = await asyncpg.create_pool(**claim.args, min_size=1, max_size=POOL_SIZE)
+                stack.push_async_callback(_close_pool, pool)
+                lister = await asyncpg.create_pool(
+                    **claim.args, min_size=1, max_size=LISTER_POOL_SIZE
+                )
+                stack.push_async_callback(_close_pool, lister)
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
                 raise schema.unusable(claim.where, e) from None
-            stack.push_async_callback(_close_pool, pool)
-            store = cls(claim.where, pool, history_keep, lease)
+            store = cls(claim.where, pool, history_keep, lease, metrics, lister)
             failure: Exception | None = None
             async with anyio.create_task_group() as tg:
 
@@ -147,7 +176,8 @@ class PostgresStore:
     def _insert_params(self, row: WorkflowRow, n_entries: int, now: float) -> tuple[Any, ...]:
         return (
             row.id, row.name, row.status, row.data, row.state, row.error, row.attempt,
-            row.next_run_at, row.created_at or now, row.updated_at or now, n_entries,
+            row.next_run_at, row.created_at or now, row.updated_at or now, row.parent,
+            row.deadline, n_entries,
         )  # fmt: skip
 
     async def create(self, row: WorkflowRow, history: History = ()) -> bool:
@@ -249,17 +279,20 @@ class PostgresStore:
 
     # -- reads ------------------------------------------------------------------------------
 
-    async def _read(self, sql: str, *params: Any) -> builtins.list[asyncpg.Record]:
+    async def _read(
+        self, sql: str, *params: Any, on: asyncpg.Pool | None = None
+    ) -> builtins.list[asyncpg.Record]:
         if self._writes.closed:
             raise Unavailable("the store is closed")
+        pool = on or self._pool
         try:
-            rows: builtins.list[asyncpg.Record] = await self._pool.fetch(sql, *params)
+            rows: builtins.list[asyncpg.Record] = await pool.fetch(sql, *params)
         except Exception as e:
             if not broken(e):
                 raise
             # A connection the server dropped (a restart, a failover) is only noticed on use:
             # the pool replaces it, and one more try needs no caller to know.
-            rows = await self._pool.fetch(sql, *params)
+            rows = await pool.fetch(sql, *params)
         return rows
 
     async def get(self, workflow_id: str) -> WorkflowRow | None:
@@ -268,17 +301,33 @@ class PostgresStore:
         return WorkflowRow(*rows[0]) if rows else None
 
     async def list(
-        self, *, status: str | None = None, name: str | None = None, limit: int = 100
+        self,
+        *,
+        status: str | None = None,
+        name: str | None = None,
+        limit: int = 100,
+        parent: str | None = None,
     ) -> builtins.list[WorkflowRow]:
         """Return up to `limit` workflows, most recently updated first."""
-        rows = await self._read(
-            f"SELECT {schema.COLS} FROM workflows WHERE ($1::text IS NULL OR status = $1)"
-            " AND ($2::text IS NULL OR name = $2) ORDER BY updated_at DESC LIMIT $3",
-            status,
-            name,
-            limit,
-        )
-        return [WorkflowRow(*r) for r in rows]
+        rows, _ = await self.page(status=status, name=name, limit=limit, parent=parent)
+        return rows
+
+    async def page(
+        self,
+        *,
+        status: str | None = None,
+        name: str | None = None,
+        limit: int = 100,
+        after: Position | None = None,
+        parent: str | None = None,
+    ) -> tuple[builtins.list[WorkflowRow], Position | None]:
+        """Return up to `limit` workflows after `after`, newest first, and where to go on."""
+        sql, params = schema.list_query(status, name, after, parent)
+        rows = await self._read(sql, *params, limit + 1, on=self._lister)
+        more = len(rows) > limit
+        rows = rows[:limit]
+        position = (rows[-1][UPDATED_AT], rows[-1][-1]) if more else None
+        return [WorkflowRow(*r[:-1]) for r in rows], position
 
     async def unfinished(self, *, page: int = 1000) -> AsyncIterator[WorkflowRow]:
         """Yield every workflow not in a final status, reading `page` rows at a time."""
@@ -465,6 +514,46 @@ class PostgresStore:
             limit,
         )
         return [FireRecord(*r) for r in reversed(rows)]
+
+    # -- hooks and gauges -------------------------------------------------------------------
+
+    async def hooks_pending(self, *, after: int = 0, limit: int = 100) -> builtins.list[HookRow]:
+        """Return up to `limit` endings with an id over `after`, oldest first."""
+        rows = await self._read(
+            "SELECT id, workflow_id, workflow, status, error, at, started_at FROM hook_runs"
+            " WHERE id > $1 ORDER BY id LIMIT $2",
+            after,
+            limit,
+        )
+        return [HookRow(*r) for r in rows]
+
+    async def hook_claim(self, hook_id: int) -> None:
+        """Mark an ending's hook as started, durably, before it runs."""
+        now = get_clock().now()
+
+        async def apply(conn: Conn) -> None:
+            await conn.execute("UPDATE hook_runs SET started_at = $1 WHERE id = $2", now, hook_id)
+
+        await self._writes.submit(apply)
+
+    async def hooks_done(self, hook_ids: Sequence[int]) -> None:
+        """Forget endings whose hooks ran (or that have none)."""
+        ids = builtins.list(hook_ids)
+
+        async def apply(conn: Conn) -> None:
+            await conn.execute("DELETE FROM hook_runs WHERE id = ANY($1::bigint[])", ids)
+
+        await self._writes.submit(apply)
+
+    async def counts_by_type(self) -> dict[tuple[str, str], int]:
+        """Return how many workflows of each (type, status) there are."""
+        rows = await self._read("SELECT name, status, COUNT(*) FROM workflows GROUP BY 1, 2")
+        return {(name, status): n for name, status, n in rows}
+
+    async def inbox_depth(self) -> int:
+        """Return how many acknowledged events are not yet applied."""
+        rows = await self._read("SELECT COUNT(*) FROM inbox")
+        return int(rows[0][0])
 
 
 async def _close_pool(pool: asyncpg.Pool) -> None:

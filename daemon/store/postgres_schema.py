@@ -127,7 +127,7 @@ def list_query(
     if after is not None:
         params += after
         where.append(f"(updated_at, rid) < (${len(params) - 1}::float8, ${len(params)}::bigint)")
-    sql = f"SELECT {COLS}, updated_at, rid FROM workflows"
+    sql = f"SELECT {COLS}, rid FROM workflows"
     if where:
         sql += " WHERE " + " AND ".join(where)
     return sql + f" ORDER BY updated_at DESC, rid DESC LIMIT ${len(params) + 1}", params

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import structlog
 from asyncpg.pool import PoolConnectionProxy
 
 from daemon.errors import Unavailable, WorkflowdError
+from daemon.observe.metrics import Metrics
 from daemon.store.writer import StoreStats
 
 log = structlog.get_logger(__name__)
@@ -60,8 +62,11 @@ def broken(e: Exception) -> bool:
 class PgGroupWriter:
     """Callers queue writes and each awaits its own commit; a failed batch is retried one by one."""
 
-    def __init__(self, pool: asyncpg.Pool, *, fence: Fence | None = None) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool, *, fence: Fence | None = None, metrics: Metrics | None = None
+    ) -> None:
         self.stats = StoreStats()
+        self._metrics = metrics
         self._fence = fence
         self._pool = pool
         self._queue: deque[_Write] = deque()
@@ -125,7 +130,10 @@ class PgGroupWriter:
                     continue
                 batch = list(self._queue)
                 self._queue.clear()
+                began = time.perf_counter()
                 commits, split = await self._commit(batch)
+                if self._metrics is not None:
+                    self._metrics.commit(time.perf_counter() - began, len(batch))
                 failed = sum(w.error is not None for w in batch)
                 self.stats.commits += commits
                 self.stats.writes += len(batch) - failed

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import anyio
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.clock import FakeClock, use_clock
 from daemon.errors import Unavailable, WorkflowNotFound
+from daemon.observe.metrics import Metrics
 from daemon.store.base import WorkflowRow
 from daemon.store.postgres import PostgresStore
 from daemon.store.sqlite import SQLiteStore
@@ -321,3 +323,94 @@ class TestListPages:
                 rest, end = await store.page(limit=3, after=after)
         assert [r.id for r in first] == ["w5", "w4", "w3"]
         assert [r.id for r in rest] == ["w2", "w1", "w0"] and end is None
+
+
+class TestHookQueue:
+    """The endings queue (`hook_runs`): filled by the commit of a Failed or Finished status."""
+
+    async def test_an_ending_is_queued_in_its_own_commit(self, opener: Opener) -> None:
+        """Failed and Finished queue one row each; other statuses, and the same again, none."""
+        with fake_clock(1000.0):
+            async with opener() as store:
+                for wid in ("a", "b", "c"):
+                    await store.create(row(wid, "Waiting", name="T"))
+                await store.checkpoint("a", status="Finished", data="{}", state="{}")
+                await store.set_status("b", status="Failed", error="boom")
+                await store.set_status("b", status="Failed", error="again")  # no new ending
+                await store.set_status("c", status="Cancelled")
+                await store.set_status("c", status="Waiting")
+                await store.create(row("d", "Finished"))  # an insert is no ending: as SQLite
+                pending = await store.hooks_pending()
+        assert [(h.workflow_id, h.workflow, h.status, h.error) for h in pending] == [
+            ("a", "T", "Finished", None),
+            ("b", "T", "Failed", "boom"),
+        ]
+        assert all(h.at == 1000.0 and h.started_at is None for h in pending)
+        assert pending[0].id < pending[1].id
+
+    async def test_claim_done_and_paging(self, opener: Opener) -> None:
+        """A claim is durable across a reopen; done rows are gone; `after` pages by id."""
+        with fake_clock(1000.0) as clock:
+            async with opener() as store:
+                for wid in ("a", "b", "c"):
+                    await store.create(row(wid, "Waiting"))
+                    await store.set_status(wid, status="Failed", error="x")
+                first = await store.hooks_pending()
+                clock.advance(5)
+                await store.hook_claim(first[0].id)
+            async with opener() as store:
+                again = await store.hooks_pending()
+                assert [h.started_at for h in again] == [1005.0, None, None]
+                assert [h.workflow_id for h in await store.hooks_pending(after=again[0].id)] == [
+                    "b",
+                    "c",
+                ]
+                assert len(await store.hooks_pending(limit=1)) == 1
+                await store.hooks_done([again[0].id, again[2].id])
+                assert [h.workflow_id for h in await store.hooks_pending()] == ["b"]
+                # A retried workflow that fails again is a new ending with a new key.
+                await store.set_status("b", status="Waiting")
+                await store.set_status("b", status="Failed", error="y")
+                ids = [h.id for h in await store.hooks_pending()]
+        assert len(ids) == 2 and ids[1] > max(h.id for h in again)
+
+    async def test_a_rolled_back_ending_queues_nothing(self, opener: Opener) -> None:
+        """A status write that fails (its workflow is gone) leaves the queue as it was."""
+        async with opener() as store:
+            with pytest.raises(WorkflowNotFound):
+                await store.set_status("ghost", status="Failed", error="x")
+            assert await store.hooks_pending() == []
+
+
+class TestGauges:
+    async def test_counts_by_type_and_inbox_depth(self, opener: Opener) -> None:
+        """`/metrics` gauges: workflows per (type, status) and acknowledged events not applied."""
+        async with opener() as store:
+            await store.create(row("a", "Waiting", name="X"))
+            await store.create(row("b", "Waiting", name="X"))
+            await store.create(row("c", "Finished", name="Y"))
+            assert await store.inbox_depth() == 0
+            ids = [await store.inbox_put("a", "go", None) for _ in range(3)]
+            await store.inbox_done(ids[:1])
+            assert await store.counts_by_type() == {("X", "Waiting"): 2, ("Y", "Finished"): 1}
+            assert await store.inbox_depth() == 2
+
+
+class TestCommitMetrics:
+    async def test_each_group_commit_is_timed_and_sized(self, opener: Opener) -> None:
+        """The writer notes every group commit: its duration and how many writes it held."""
+        metrics = Metrics()
+        async with opener(metrics=metrics) as store:
+            await store.create(row("a"))
+            async with anyio.create_task_group() as tg:
+                for n in range(5):
+                    tg.start_soon(store.inbox_put, "a", f"e{n}", None)
+        found = {
+            (s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(metrics.render().decode())
+            for s in family.samples
+        }
+        commits = found[("workflowd_commit_duration_seconds_count", frozenset())]
+        assert 2 <= commits <= 6
+        assert found[("workflowd_commit_batch_size_sum", frozenset())] == 6
+        assert found[("workflowd_commit_duration_seconds_sum", frozenset())] > 0
