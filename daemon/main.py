@@ -54,7 +54,7 @@ from daemon.store.postgres import PostgresStore
 from daemon.store.postgres_lease import Claim, LeaseLost
 from daemon.store.postgres_lease import release as release_claim
 from daemon.store.postgres_schema import redact
-from daemon.store.schema import FINAL
+from daemon.store.schema import FINAL, make_folder
 from daemon.store.sqlite import SQLiteStore
 
 log = structlog.get_logger()
@@ -391,6 +391,8 @@ async def _dashboard_token(listener: object, folder: Path) -> AsyncIterator[str]
     """Yield the dashboard's token ("" when it is off); a bad token file stops the start."""
     # A context of the start-up chain, not a call inside the task group: there an error
     # would come out wrapped in an ExceptionGroup instead of as one line and exit code 2.
+    if listener is not None:
+        make_folder(folder)  # on PostgreSQL no database file made the state folder
     yield load_token(folder) if listener is not None else ""
 
 
