@@ -58,7 +58,8 @@ class TestCommands:
             listing = out(await ctl(*s, "list", "--status", "waiting")).splitlines()
             shown = msgspec.json.decode(out(await ctl(*s, "show", "x", "--json")))
             history = out(await ctl(*s, "history", "x")).splitlines()
-            rows = msgspec.json.decode(out(await ctl(*s, "--json", "list", "--limit", "1")))
+            cut = await ctl(*s, "--json", "list", "--limit", "1")
+            rows = msgspec.json.decode(cut.stdout)
         assert listing[0].split() == [
             "WORKFLOW_ID",
             "WORKFLOW",
@@ -71,6 +72,8 @@ class TestCommands:
         assert shown["data"] == {"n": 1}
         assert history == ["AT  KIND     THREAD  SEQ  DETAIL", '    started          1    {"n":1}']
         assert [r["workflow_id"] for r in rows] == ["x"]
+        # stdout holds exactly the rows; the cut list says so on stderr, as without --json.
+        assert cut.returncode == 0 and cut.stderr.decode().startswith("… 1 shown; more: ")
 
     async def test_send(self, backend: MemoryBackend, short_tmp: Path) -> None:
         """Send prints the handler's output as JSON; --no-wait only says it is queued."""
