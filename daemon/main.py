@@ -6,11 +6,12 @@ import argparse
 import gc
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -37,6 +38,7 @@ from daemon.ops.backup import BackupPolicy, Backups
 from daemon.ops.modules import load_registry, schedules_of
 from daemon.ops.reload import Reloader, settings_of
 from daemon.ops.repairs import Repairs
+from daemon.ops.standby import Standby
 from daemon.runtime.cache import Cache
 from daemon.runtime.runtime import Runtime
 from daemon.runtime.schedules import Schedules
@@ -47,28 +49,55 @@ from daemon.service.journal import JOURNAL_SOCKET
 from daemon.service.journal import attached as journal_attached
 from daemon.service.log import LogHub, close_logging, configure_logging
 from daemon.service.notify import Notifier, watchdog_loop
+from daemon.store.base import Store
+from daemon.store.postgres import PostgresStore
+from daemon.store.postgres_lease import Claim, LeaseLost
+from daemon.store.postgres_lease import release as release_claim
+from daemon.store.postgres_schema import redact
+from daemon.store.schema import FINAL, make_folder
 from daemon.store.sqlite import SQLiteStore
 
 log = structlog.get_logger()
 STATUS_EVERY_S = 1.0
 #: How long, at shutdown, answers still being written may take.
 ANSWER_GRACE_S = 1.0
+#: The exit code of a daemon whose PostgreSQL database another daemon took over.
+EXIT_LEASE_LOST = 3
 #: Allocations between young-generation collections (CPython's default is 700).
 GC_THRESHOLD = 10_000
 
 
 class DaemonOps:
-    """The control socket's `reload` and `backup`."""
+    """The control socket's `reload` and `backup`, and the nodes `ping` and `show` name."""
 
-    def __init__(self, reloader: Reloader, backups: Backups) -> None:
-        self.reloader, self.backups = reloader, backups
+    def __init__(self, reloader: Reloader, backups: Backups, store: Store) -> None:
+        self.reloader, self.backups, self.store = reloader, backups, store
+        # On PostgreSQL the daemon holding the lease runs every workflow; SQLite has one.
+        self.node_id = store.lease.node_id if isinstance(store, PostgresStore) else _hostname()
+
+    async def nodes(self) -> list[dict[str, Any]]:
+        """List the daemons on this database, the one running the workflows first."""
+        if isinstance(self.store, PostgresStore):
+            found = await self.store.nodes()
+            return sorted(found, key=lambda n: n["role"] != "holder")
+        return [{"node_id": self.node_id, "role": "holder", "seen_s_ago": 0.0}]
+
+    def owner(self, status: str) -> str | None:
+        """Name the node that runs a workflow in `status` (none once it ended)."""
+        return None if status in FINAL else self.node_id
+
+    def role(self) -> str:
+        """Say what this daemon is to `ping`: the one that runs the workflows."""
+        return "holder"
 
     async def reload(self) -> dict[str, Any]:
         """Reload as SIGHUP does."""
         return await self.reloader.reload()
 
     async def backup(self, name: str) -> dict[str, Any]:
-        """Copy the database to `<[store] backup_dir>/<name>.db`."""
+        """Copy the database to `<[store] backup_dir>/<name>.db` (SQLite only)."""
+        if isinstance(self.store, PostgresStore):
+            await self.store.backup(Path(name))  # refuses, naming pg_dump
         return await self.backups.backup(name)
 
 
@@ -94,17 +123,18 @@ async def run_daemon(
     notifier = Notifier.from_env(unset=True)
     metrics = Metrics(version())
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        claim, reload_asked = None, False
+        if cfg.store.backend == "postgres":
+            claim, reload_asked = await claim_or_stop(cfg, signals)
+            if claim is None:  # stopped while standing by: it held nothing
+                notifier.close()
+                return
         async with (
             # Bound first: an address that cannot be bound stops the start, before READY.
             listening(cfg.metrics.listen) as scrape_on,
             listening(cfg.http.listen) as dashboard_on,
-            SQLiteStore.open(
-                cfg.store.path,
-                synchronous=cfg.store.synchronous,
-                history_keep=cfg.store.history_keep,
-                metrics=metrics,
-            ) as store,
-            _dashboard_token(dashboard_on, store.path.parent) as token,
+            open_store(cfg, claim, metrics) as store,
+            _dashboard_token(dashboard_on, cfg.store.path.parent) as token,
             Runtime.open(
                 store, registry, replace(settings_of(cfg), hold=hold), logs=hub, metrics=metrics
             ) as rt,
@@ -191,6 +221,7 @@ async def run_daemon(
                 ops=DaemonOps(
                     reloader,
                     Backups(store=store, policy=lambda: backup_policy(reloader.cfg)),
+                    store,
                 ),
                 schedules=timetable,
                 dashboard=partial(dashboard_url, cfg.http.listen, token),
@@ -206,9 +237,11 @@ async def run_daemon(
             tg.start_soon(watchdog_loop, notifier)
             tg.start_soon(_report_status, rt, notifier)
             tg.start_soon(_collect_garbage, rt, reloader)
-            log.info("daemon_started", pid=os.getpid(), socket=str(d.socket), db=str(store.path))
+            log.info("daemon_started", pid=os.getpid(), socket=str(d.socket), db=store_name(cfg))
             notifier.ready()
             task_status.started(rt)
+            if reload_asked:  # SIGHUP while it stood by: what was asked for applies now
+                await reloader.reload()
             async for signum in signals:
                 if signum == signal.SIGHUP:
                     await reloader.reload()
@@ -232,6 +265,105 @@ async def run_daemon(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     notifier.close()
+
+
+async def claim_or_stop(cfg: Config, signals: AsyncIterator[int]) -> tuple[Claim | None, bool]:
+    """Wait as a standby until this daemon holds the PostgreSQL database's lease.
+
+    Return the claim (None if SIGTERM or SIGINT came first; a lease that came in that moment
+    is handed back, for the stop request wins) and whether SIGHUP asked for a reload meanwhile.
+    """
+    s = cfg.store
+    got: list[Claim] = []
+    failed: list[Exception] = []
+    stopped = reload_asked = False
+
+    standing = anyio.Event()
+
+    async def claim(scope: anyio.CancelScope) -> None:
+        try:
+            got.append(
+                await PostgresStore.claim(
+                    s.dsn, passfile=s.passfile, node_id=s.node_id, lease_s=s.lease_s,
+                    standby=standing,
+                )
+            )  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - raised below, outside the task group
+            failed.append(e)
+        scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(claim, tg.cancel_scope)
+        tg.start_soon(serve_standby, cfg, standing)
+        async for signum in signals:
+            if signum == signal.SIGHUP:
+                log.info("reload_deferred", reason="standing by")
+                reload_asked = True
+                continue
+            log.info("daemon_stopping", signal=signal.Signals(signum).name, standby=True)
+            stopped = True
+            tg.cancel_scope.cancel()
+            break
+    if failed:
+        raise failed[0]
+    if stopped and got:
+        await release_claim(got[0])
+        return None, False
+    return (got[0] if got else None), reload_asked
+
+
+async def serve_standby(cfg: Config, standing: anyio.Event) -> None:
+    """Serve reads of the shared database on the control socket while another daemon holds it.
+
+    Not with socket activation: systemd's listening socket is for the daemon that runs the
+    workflows. A failure here is logged; the daemon goes on standing by without a socket.
+    """
+    await standing.wait()
+    if os.environ.get("LISTEN_PID") == str(os.getpid()):
+        return
+    s, d = cfg.store, cfg.daemon
+    try:
+        async with PostgresStore.reader(
+            s.dsn, passfile=s.passfile, node_id=s.node_id, lease_s=s.lease_s
+        ) as store:
+            standby = Standby(store)
+            await serve(
+                standby,
+                socket_path=d.socket,
+                socket_mode=d.socket_mode,
+                socket_group=d.socket_group,
+                allowed_uids=d.allowed_uids,
+                allowed_groups=d.allowed_groups,
+                max_request_bytes=d.max_request_bytes,
+                max_connections=d.max_connections,
+                idle_timeout=d.idle_timeout_s,
+                max_in_flight=d.max_in_flight,
+                max_buffered_bytes=d.max_buffered_bytes,
+                ops=standby,
+            )
+    except Exception as e:  # noqa: BLE001 - reads are a courtesy; standing by goes on
+        log.warning("standby_socket_failed", error=f"{type(e).__name__}: {e}")
+
+
+def _hostname() -> str:
+    return socket.gethostname()
+
+
+def open_store(
+    cfg: Config, claim: Claim | None, metrics: Metrics | None = None
+) -> AbstractAsyncContextManager[SQLiteStore | PostgresStore]:
+    """Open the configured backend: the SQLite file, or the PostgreSQL database claimed."""
+    s = cfg.store
+    if claim is not None:
+        return PostgresStore.open(s.dsn, history_keep=s.history_keep, claim=claim, metrics=metrics)
+    return SQLiteStore.open(
+        s.path, synchronous=s.synchronous, history_keep=s.history_keep, metrics=metrics
+    )
+
+
+def store_name(cfg: Config) -> str:
+    """Name the configured database for a log record, without a password."""
+    return redact(cfg.store.dsn) if cfg.store.backend == "postgres" else str(cfg.store.path)
 
 
 async def _second_signal(signals: AsyncIterator[int], drain: anyio.CancelScope) -> None:
@@ -259,6 +391,8 @@ async def _dashboard_token(listener: object, folder: Path) -> AsyncIterator[str]
     """Yield the dashboard's token ("" when it is off); a bad token file stops the start."""
     # A context of the start-up chain, not a call inside the task group: there an error
     # would come out wrapped in an ExceptionGroup instead of as one line and exit code 2.
+    if listener is not None:
+        make_folder(folder)  # on PostgreSQL no database file made the state folder
     yield load_token(folder) if listener is not None else ""
 
 
@@ -393,7 +527,10 @@ def main(argv: list[str] | None = None) -> int:
     except StoreLocked as e:
         print(f"workflowd: {e}", file=sys.stderr)
         return 1
-    except (StoreUnusable, ConfigError) as e:  # raised before READY: the daemon never ran
+    except LeaseLost as e:  # wrote nothing since; a supervisor restarts it as a standby
+        print(f"workflowd: {e}", file=sys.stderr)
+        return EXIT_LEASE_LOST
+    except (StoreUnusable, ConfigError) as e:  # raised before READY (a newer schema, say)
         print(f"workflowd: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -12,6 +12,7 @@ from tests.benchmarks import (
     bench_fanout,
     bench_log,
     bench_metrics,
+    bench_postgres,
     bench_runtime,
     bench_schedules,
     bench_timers,
@@ -19,6 +20,7 @@ from tests.benchmarks import (
 )
 from tests.benchmarks.run import BENCHMARKS, normalize
 from tests.helpers.disk_torture import FullPlan, disk_full_torture
+from tests.helpers.postgres import Cluster
 
 
 def _check(entry: str, figures: list[dict[str, Any]], metrics: set[str]) -> None:
@@ -161,3 +163,18 @@ class TestFanoutBench:
             for m in ("steps_per_s", "wall_ms", "cpu_per_step_us")
         }
         _check("bench_fanout", figures, {*metrics, "slowdown"})
+
+
+class TestPostgresBench:
+    """bench_postgres at a tiny size."""
+
+    async def test_group_sizes_and_takeover(self, tmp_path: Path, pg_cluster: Cluster) -> None:
+        """Steps/s for one and two daemons, and a takeover time, as figures."""
+        figures = await bench_postgres.run(
+            tmp_path, workflows=3, steps=2, nodes=(1, 2), lease_s=2.0, cluster=pg_cluster
+        )
+        _check(
+            "bench_postgres",
+            figures,
+            {"daemons_1_steps_per_s", "daemons_2_steps_per_s", "takeover_after_sigkill_s"},
+        )

@@ -104,6 +104,9 @@ class DaemonOps(Protocol):
 
     async def reload(self) -> dict[str, Any]: ...
     async def backup(self, name: str) -> dict[str, Any]: ...
+    async def nodes(self) -> Records: ...
+    def owner(self, status: str) -> str | None: ...
+    def role(self) -> str: ...
 
 
 class ScheduleTools(Protocol):
@@ -160,6 +163,11 @@ class Dispatcher:
                     "workflows": await b.counts(),
                     "busy": b.busy(),
                     "incompatible": b.incompatible(),
+                    **(
+                        {"nodes": await self._ops.nodes(), "role": self._ops.role()}
+                        if self._ops is not None
+                        else {}
+                    ),
                 }
             case proto.Start():
                 return await b.start(
@@ -170,7 +178,10 @@ class Dispatcher:
             case proto.List():
                 return await self._list(req)
             case proto.Show():
-                return await b.show(req.workflow_id)
+                shown = await b.show(req.workflow_id)
+                if self._ops is not None:
+                    shown["owner"] = self._ops.owner(str(shown.get("status")))
+                return shown
             case proto.History():
                 return await b.history(req.workflow_id, limit=req.limit)
             case proto.Cancel():

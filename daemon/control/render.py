@@ -280,7 +280,13 @@ def show(command: str, result: Any, style: Style = PLAIN) -> str:
     match command, result:
         case "ping", {"version": version, "workflows": dict(counts)}:
             summary = ", ".join(f"{n} {cell(s)}" for s, n in sorted(counts.items()))
-            return f"workflowd {cell(version)}: {summary or 'no workflows'}"
+            summary = summary or "no workflows"
+            nodes = result.get("nodes") or []
+            if len(nodes) > 1:  # several daemons share a PostgreSQL database: name them all
+                summary += "; nodes: " + ", ".join(
+                    f"{cell(n.get('node_id'))} ({cell(n.get('role'))})" for n in nodes
+                )
+            return f"workflowd {cell(version)}: {summary}"
         case "cancel", {"workflow_id": wid, "status": status}:
             return f"{cell(wid)}: {style.status(cell(status))}"
         case "list", list(rows):

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 from daemon.errors import ConfigError
 from daemon.observe.hooks import check_template
@@ -63,6 +64,16 @@ class StoreConfig:
     backup_keep: int = _opt("int", 7, min=1)
     #: A backup that would leave less free space than this on its disk is refused.
     min_free_bytes: int = _opt("int", 64 << 20, min=0)
+    #: "sqlite" (the file at `path`) or "postgres" (the server at `dsn`).
+    backend: str = _opt("enum", "sqlite", choices=("sqlite", "postgres"))
+    #: postgresql://user@host/db; empty: $WORKFLOWD_DSN. A password only from the environment.
+    dsn: str = _opt("str", "")
+    #: A libpq passfile (~/.pgpass format) for the dsn's password.
+    passfile: Path | None = field(default=None, metadata={"kind": "optpath"})
+    #: This daemon's name among those sharing a PostgreSQL database (default: the hostname).
+    node_id: str = _opt("str", "")
+    #: How long a PostgreSQL lease lasts unrenewed: a dead daemon's standby takes over after it.
+    lease_s: float = _opt("float", 15.0, gt=0)
 
     @property
     def backups(self) -> Path:
@@ -181,10 +192,36 @@ def parse_config(raw: Mapping[str, Any], path: Path) -> Config:
     if store.backups == store.path.parent:
         # Old backups there are deleted beyond backup_keep; the database must not be among them.
         raise ConfigError(f"{path}: [store] backup_dir: must not be the database's own folder")
+    parts["store"] = _store_dsn(store, path)
     runtime: RuntimeConfig = parts["runtime"]
     if runtime.retry_max_s < runtime.retry_initial_s:
         raise ConfigError(f"{path}: [runtime] retry_max_s: must be >= retry_initial_s")
     return Config(source=Path(os.path.abspath(path)), **parts)
+
+
+def _store_dsn(store: StoreConfig, path: Path) -> StoreConfig:
+    """Check `[store] dsn` for the postgres backend; an empty one is read from $WORKFLOWD_DSN.
+
+    A password in the config file is refused (files are often readable by more users than
+    the environment); one in $WORKFLOWD_DSN is accepted.
+    """
+    if store.backend != "postgres":
+        return store
+    from_file = bool(store.dsn)
+    dsn = store.dsn or os.environ.get("WORKFLOWD_DSN", "")
+    if not dsn:
+        raise ConfigError(f"{path}: [store] dsn: backend postgres needs a dsn (or $WORKFLOWD_DSN)")
+    parts = urlsplit(dsn)
+    where = "[store] dsn" if from_file else "$WORKFLOWD_DSN"
+    if parts.scheme not in ("postgresql", "postgres"):
+        raise ConfigError(f"{path}: {where}: expected a postgresql:// URL")
+    query = dict(parse_qsl(parts.query))
+    if from_file and (parts.password is not None or "password" in query):
+        raise ConfigError(
+            f"{path}: [store] dsn: must not hold a password; use $PGPASSWORD, $WORKFLOWD_DSN"
+            " or [store] passfile"
+        )
+    return dataclasses.replace(store, dsn=dsn)
 
 
 def _section(cls: type[Any], name: str, table: dict[str, Any], path: Path, base: Path) -> Any:
@@ -236,6 +273,12 @@ def _convert(value: Any, meta: dict[str, Any], base: Path) -> Any:
         return int(value, 8)
     if kind == "socket_group":
         return _own_gid(value)
+    if kind == "str":
+        if not isinstance(value, str):
+            raise TypeError(f"expected a string, got {value!r}")
+        return value
+    if kind == "optpath":
+        return _path(value, base)
     if kind in ("path", "socket"):
         p = _path(value, base)
         if kind == "socket" and len(os.fsencode(p)) > _SUN_PATH_MAX:

@@ -27,6 +27,7 @@ BENCHMARKS: list[str] = [
     "bench_control",
     "bench_timers",
     "bench_schedules",
+    "bench_postgres",
     "bench_torture",
     "bench_fuzz",
     "bench_log",

@@ -365,6 +365,11 @@ class TestErrors:
                     await waiting.call(
                         "start", workflow="Hold", workflow_id="h", input={"gate": "gate"}
                     )
+                    # The step must be running at SIGTERM, or the drain has nothing to wait
+                    # for (a slower store, PostgreSQL, lets the signal come before it starts).
+                    await shown_when(
+                        waiting, "h", lambda s: "running_since" in s.get("running_step", {})
+                    )
                     # Queued behind the running step, which the drain lets finish.
                     await waiting.stream.send(
                         b'{"id": 9, "op": "send", "workflow_id": "h", "event": "poke"}\n'

@@ -6,6 +6,8 @@ import collections
 import shutil
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.harness import REPO, Daemon, run_workflowd, running_daemon, write_config
 from tests.helpers.wait import until, wait_status
 
@@ -52,6 +54,7 @@ class TestProcess:
         assert all(n <= 1 for n in per_wf.values()), runs
         assert all(n <= 2 for n in runs.values())
 
+    @pytest.mark.sqlite_only("on PostgreSQL a second daemon stands by: e2e/test_postgres")
     async def test_second_daemon_refused(self, tmp_path: Path) -> None:
         """A second workflowd on the same database exits 1 with a clear message."""
         async with running_daemon(tmp_path, MODULES) as d:

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.helpers.harness import Daemon, running_daemon
 from tests.helpers.probes import exchange, fds, unix_bound, unix_listening
 from tests.helpers.support import needs_root
@@ -87,6 +89,7 @@ class TestInDaemon:
             await until(lambda: fds(pid(d)) == base)  # the inotify fd and the listener closed
             assert not sock.exists() and not unix_bound(sock)
 
+    @pytest.mark.sqlite_only("reads the SQLite file")
     async def test_restart(self, tmp_path: Path) -> None:
         """After a restart: the overdue timer and the true `exists` fire, the socket reopens."""
         sock, flag = tmp_path / "in.sock", tmp_path / "flag"

@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.client import Client
 from tests.helpers.harness import Daemon, running_daemon, write_config
-from tests.helpers.wait import logged, until, wait_status
+from tests.helpers.wait import eventually, logged, until, wait_status
 from tests.workflows.observe import hook_argv
 
 MODULES = ["tests.workflows.observe"]
@@ -49,6 +50,20 @@ def hook_out(short_tmp: Path) -> Iterator[Path]:
             os.kill(pid, signal.SIGKILL)
 
 
+async def recorded_last(c: Client, workflow_id: str, kind: str) -> None:
+    """Wait until the workflow's newest history entry is `kind`.
+
+    The runner logs a hook's outcome before its history entry is committed, so the log line
+    alone does not mean the entry is readable yet (on PostgreSQL it often is not).
+    """
+
+    async def last_is_kind() -> bool:
+        rows = await c.call("history", workflow_id=workflow_id)
+        return bool(rows) and rows[-1]["kind"] == kind
+
+    await eventually(last_is_kind)
+
+
 async def test_failure_hook_gets_argv_and_env(short_tmp: Path, hook_out: Path) -> None:
     """on_failure runs once with the placeholders filled and WORKFLOWD_* set, never a shell."""
     hooks = {"on_failure": hook_argv("{workflow}", "{workflow_id}", "{error}", "$HOME;{event}")}
@@ -66,8 +81,7 @@ async def test_failure_hook_gets_argv_and_env(short_tmp: Path, hook_out: Path) -
         assert run["env"]["WORKFLOWD_ERROR"] == shown["error"]
         assert run["env"]["WORKFLOWD_STATUS"] == "Failed"
         assert run["env"]["WORKFLOWD_EVENT"] == "failure"
-        kinds = [h["kind"] for h in await c.call("history", workflow_id="d1")]
-        assert kinds[-1] == "hook_ran"
+        await recorded_last(c, "d1", "hook_ran")
         # A finished workflow has no on_failure hook (and no on_finish is configured).
         await c.call("start", workflow="Counted", workflow_id="c1")
         await wait_status(c, "c1", "Waiting")
@@ -145,8 +159,7 @@ async def test_hanging_hook_is_killed_at_its_timeout(short_tmp: Path, hook_out: 
         pid = slow_pids(hook_out)[0]
         await until(lambda: not Path(f"/proc/{pid}").exists())
         assert (await c.call("ping"))["workflows"]["Failed"] == 1
-        kinds = [h["kind"] for h in await c.call("history", workflow_id="slow-1")]
-        assert kinds[-1] == "hook_failed"
+        await recorded_last(c, "slow-1", "hook_failed")
 
 
 async def test_hook_that_cannot_run_is_logged(short_tmp: Path) -> None:
@@ -158,6 +171,7 @@ async def test_hook_that_cannot_run_is_logged(short_tmp: Path) -> None:
         assert "nonexistent" in failed["error"]
         await c.call("start", workflow="Doomed", workflow_id="d3")
         await logged(d, "hook_failed", workflow_id="d3")
+        await recorded_last(c, "d2", "hook_failed")
         history = await c.call("history", workflow_id="d2")
         assert [h["kind"] for h in history].count("hook_failed") == 1
 

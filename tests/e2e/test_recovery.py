@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import pytest
 
 from tests.helpers.client import Client
 from tests.helpers.harness import REPO, Daemon, running_daemon, write_config
@@ -102,6 +103,7 @@ async def waiting(d: Daemon, ids: list[str]) -> None:
 
 
 class TestIncompatibleAtStart:
+    @pytest.mark.sqlite_only("writes the inbox into the SQLite file")
     async def test_held_with_the_reason_until_code_fits(self, short_tmp: Path) -> None:
         """A restart on code it does not fit holds it (send: conflict); goto, reload, restart free it."""
         write(short_tmp, V1)
@@ -211,6 +213,7 @@ class TestReloadNeedsRestart:
 
 
 class TestCorruptRows:
+    @pytest.mark.sqlite_only("corrupts rows in the SQLite file")
     async def test_explained_cancellable_and_never_block_reload(self, short_tmp: Path) -> None:
         """Rows that do not decode or fit: send/edit say why, cancel works, reload goes through."""
         write(short_tmp, V1)

@@ -14,7 +14,7 @@ from typing import Any
 
 import anyio
 
-from tests.helpers import REPO
+from tests.helpers import REPO, postgres
 from tests.helpers.client import Client, connect
 
 __all__ = ["REPO", "Daemon", "run_workflowd", "running_daemon", "write_config"]
@@ -31,6 +31,11 @@ def write_config(tmp: Path, modules: list[str], **sections: dict[str, Any]) -> P
     }
     for name, values in sections.items():
         conf.setdefault(name, {}).update(values)
+    if postgres.E2E.backend == "postgres" and "backend" not in conf["store"]:
+        # `--store postgres`: the database stands in for the file, one per file a test names.
+        store = conf["store"]
+        store.update(backend="postgres", dsn=postgres.E2E.dsn_for(str(store.pop("path"))))
+        store.pop("synchronous", None)
     lines = []
     for name, values in conf.items():
         lines.append(f"[{name}]")
@@ -122,10 +127,15 @@ class Daemon:
             yield c
 
 
-async def run_workflowd(config: Path, cwd: Path | None = None) -> tuple[int, str]:
+async def run_workflowd(
+    config: Path, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> tuple[int, str]:
     """Run workflowd to completion (for start-up failures); return exit code and stderr."""
     proc = await anyio.run_process(
-        [sys.executable, "-m", "daemon.main", "--config", str(config)], cwd=cwd, check=False
+        [sys.executable, "-m", "daemon.main", "--config", str(config)],
+        cwd=cwd,
+        check=False,
+        env=env,
     )
     return proc.returncode, proc.stderr.decode()
 

@@ -197,6 +197,50 @@ class TestErrors:
             load_config(tmp_path / "absent.toml")
 
 
+class TestPostgresStore:
+    def test_sqlite_is_the_default(self, tmp_path: Path) -> None:
+        """No [store] backend means SQLite, with a lease of 15 s for when it is PostgreSQL."""
+        cfg = load_config(write(tmp_path, ""))
+        assert (cfg.store.backend, cfg.store.dsn, cfg.store.lease_s) == ("sqlite", "", 15.0)
+
+    def test_dsn_from_the_file(self, tmp_path: Path) -> None:
+        """A password-less dsn, node_id, lease_s and a passfile are read as given."""
+        cfg = load_config(write(tmp_path, '[store]\nbackend = "postgres"\n'
+                                'dsn = "postgresql://wf@db/wf"\nnode_id = "n1"\nlease_s = 5\n'
+                                'passfile = "pgpass"\n'))  # fmt: skip
+        s = cfg.store
+        assert (s.dsn, s.node_id, s.lease_s, s.passfile) == (
+            "postgresql://wf@db/wf", "n1", 5.0, tmp_path / "pgpass",
+        )  # fmt: skip
+
+    def test_dsn_from_the_environment_may_hold_a_password(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """An empty dsn is read from $WORKFLOWD_DSN, which may carry the password."""
+        monkeypatch.setenv("WORKFLOWD_DSN", "postgresql://wf:pw@db/wf")
+        cfg = load_config(write(tmp_path, '[store]\nbackend = "postgres"\n'))
+        assert cfg.store.dsn == "postgresql://wf:pw@db/wf"
+
+    @pytest.mark.parametrize(
+        ("text", "expected"),
+        [
+            ('dsn = "postgresql://wf:pw@db/wf"', "[store] dsn: must not hold a password"),
+            ('dsn = "postgresql://wf@db/wf?password=pw"', "[store] dsn: must not hold a password"),
+            ('dsn = "mysql://wf@db/wf"', "[store] dsn: expected a postgresql:// URL"),
+            ("dsn = 5", "[store] dsn: expected a string"),
+            ("", "[store] dsn: backend postgres needs a dsn (or $WORKFLOWD_DSN)"),
+            ('dsn = "postgresql://db/wf"\nlease_s = 0', "[store] lease_s: must be > 0"),
+        ],
+    )
+    def test_bad_postgres_settings(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, expected: str
+    ) -> None:
+        """Each bad setting is one line naming the key; a password is never echoed."""
+        monkeypatch.delenv("WORKFLOWD_DSN", raising=False)
+        message = error_of(tmp_path, f'[store]\nbackend = "postgres"\n{text}\n')
+        assert expected in message and "pw" not in message
+
+
 class TestSystemdDirectories:
     def test_state_and_runtime_directory_expand(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
