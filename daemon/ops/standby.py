@@ -14,10 +14,10 @@ from typing import Any
 
 import msgspec
 
-from daemon.core.state import EventStatus, State
 from daemon.errors import Unavailable, WorkflowNotFound
 from daemon.runtime.children import composition
-from daemon.store.base import Position, WorkflowRow
+from daemon.runtime.runtime import summary
+from daemon.store.base import Position
 from daemon.store.postgres import PostgresStore
 from daemon.store.schema import FINAL
 
@@ -166,32 +166,6 @@ class Standby:
     def owner(self, status: str) -> str | None:
         """Name the node that runs a workflow in `status`: the holder (none once it ended)."""
         return None if status in FINAL else self.holder
-
-
-def summary(row: WorkflowRow) -> dict[str, Any]:
-    """Summarize a stored workflow as `list` shows it."""
-    waiting: builtins.list[str] = []
-    try:
-        state = State.from_json(row.state)
-        waiting = [
-            ev.req.name
-            for t in state.threads
-            for ev in t.wait_events
-            if ev.status in (EventStatus.SETUP, EventStatus.PENDING_SETUP)
-        ]
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        pass
-    return {
-        "workflow_id": row.id,
-        "workflow": row.name,
-        "status": row.status,
-        "updated_at": row.updated_at,
-        "waiting_for": waiting,
-        "error": row.error,
-        "incompatible": None,
-        "parent": row.parent,
-        "running": [],
-    }
 
 
 def _json_or_text(text: str) -> Any:

@@ -550,28 +550,39 @@ class Runtime:
 
     def _summary(self, row: WorkflowRow) -> dict[str, Any]:
         actor = self.scheduler.actor(row.id)
-        waiting: builtins.list[str] = []
-        try:
-            state = State.from_json(row.state)
-            waiting = [
-                ev.req.name
-                for t in state.threads
-                for ev in t.wait_events
-                if ev.status in (EventStatus.SETUP, EventStatus.PENDING_SETUP)
-            ]
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            pass
-        return {
-            "workflow_id": row.id,
-            "workflow": row.name,
-            "status": row.status,
-            "updated_at": row.updated_at,
-            "waiting_for": waiting,
-            "error": row.error,
-            "incompatible": self.scheduler.hold.incompatible.get(row.id),
-            "parent": row.parent,
-            "running": [run.step for _, run in actor.running] if actor else [],
-        }
+        return summary(
+            row,
+            incompatible=self.scheduler.hold.incompatible.get(row.id),
+            running=[run.step for _, run in actor.running] if actor else [],
+        )
+
+
+def summary(
+    row: WorkflowRow, *, incompatible: str | None = None, running: builtins.list[str] | None = None
+) -> dict[str, Any]:
+    """Summarize a stored workflow as `list` shows it (the runtime adds what it alone knows)."""
+    waiting: builtins.list[str] = []
+    try:
+        state = State.from_json(row.state)
+        waiting = [
+            ev.req.name
+            for t in state.threads
+            for ev in t.wait_events
+            if ev.status in (EventStatus.SETUP, EventStatus.PENDING_SETUP)
+        ]
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass
+    return {
+        "workflow_id": row.id,
+        "workflow": row.name,
+        "status": row.status,
+        "updated_at": row.updated_at,
+        "waiting_for": waiting,
+        "error": row.error,
+        "incompatible": incompatible,
+        "parent": row.parent,
+        "running": running or [],
+    }
 
 
 def _cancelled_again(workflow_id: str, status: str) -> dict[str, Any]:
