@@ -411,6 +411,12 @@ def hook_settings(cfg: Config) -> HookSettings:
     return HookSettings(on_failure=h.on_failure, on_finish=h.on_finish, timeout_s=h.timeout_s)
 
 
+def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """Return the first exception that is not a group itself."""
+    first = group.exceptions[0]
+    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
+
+
 def _type_hook(cache: Cache, workflow: str, status: str) -> Sequence[str] | None:
     """Return the argv a workflow type sets for this ending, or None to use `[hooks]`."""
     cls = cache.registry.get(workflow)
@@ -535,6 +541,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except ExceptionGroup as group:
+        # A part that could not start (the control socket is another live daemon's) fails
+        # inside the task group; it is still a start-up error: one line and exit 2.
+        startup, rest = group.split((Unavailable, StoreUnusable, ConfigError))
+        if startup is None or rest is not None:
+            raise
+        print(f"workflowd: {_first_leaf(startup)}", file=sys.stderr)
+        return 2
     if _lingering_threads():
         # A sync step still hangs in a worker thread past the grace period; the interpreter
         # would wait for it forever. Everything durable is already committed.

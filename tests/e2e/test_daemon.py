@@ -64,6 +64,19 @@ class TestProcess:
             async with d.client() as c:
                 assert (await c.request("ping"))["ok"]
 
+    async def test_socket_taken_by_another_daemon_exits_2(self, tmp_path: Path) -> None:
+        """A daemon of another database on a live daemon's socket stops with one line, exit 2."""
+        async with running_daemon(tmp_path, MODULES) as d:
+            other = tmp_path / "other"
+            other.mkdir()
+            config = write_config(other, MODULES, daemon={"socket": str(d.socket)})
+            code, stderr = await run_workflowd(config, other)
+            assert code == 2, stderr
+            assert "another workflowd is listening" in stderr
+            assert len(stderr.strip().splitlines()) == 1, stderr
+            async with d.client() as c:  # the live one keeps its socket
+                assert (await c.request("ping"))["ok"]
+
     async def test_bad_config_exits_2(self, tmp_path: Path) -> None:
         """A bad config stops the start with one clear line naming the key, exit code 2."""
         config = write_config(tmp_path, MODULES, runtime={"retry_initial_s": "soon"})
