@@ -115,7 +115,8 @@ class TestProcess:
                     input={"approve": True, "by": "test"},
                 )
                 assert out == "e2e approved by test"
-                await c.call("cancel", workflow_id=res["workflow_id"])
+                # Approved, it carries out and ends (a cancel now would race that end).
+                await wait_status(c, res["workflow_id"], "Finished")
         finally:
             assert await d.stop() == 0
         assert (short_tmp / "state" / "workflowd.db").exists()  # the state went to the copy
