@@ -224,6 +224,10 @@ class Actor:
         self._scope, self._interruptible, self._takes_items = None, False, False
 
     async def _save(self, loaded: Loaded) -> None:
+        if loaded.state.status is WorkflowStatus.FINISHED:
+            # A step retried on the way (its error kept until the resume ends) is over: a
+            # Finished workflow carries no error, also if the daemon dies before _settle.
+            loaded.attempt, loaded.error, loaded.next_run_at = 0, None, None
         # Taken before the write: steps still running note their history meanwhile.
         history, self._history = self._history, []
         await self.store.checkpoint(

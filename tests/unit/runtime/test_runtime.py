@@ -305,6 +305,35 @@ class TestRetry:
             failed = [h for h in await rt.history("f") if h["kind"] == "step_failed"]
             assert [h["attempt"] for h in failed] == [1, 2]
 
+    async def test_no_finished_checkpoint_keeps_the_retry_error(self, tmp_path: Path) -> None:
+        """Every checkpoint of a Finished workflow is clean, also the first one after a retry.
+
+        The engine writes Finished before the actor's last save; a daemon killed between the
+        two must not leave a Finished workflow with its retried step's error for good.
+        """
+        clock = FakeClock()
+        FAILS.clear()
+        written: list[tuple[str, str | None]] = []
+        async with SQLiteStore.open(tmp_path / "wf.db") as store:
+            checkpoint = store.checkpoint
+
+            async def recorded(workflow_id: str, **fields: Any) -> Any:
+                written.append((fields["status"], fields["error"]))
+                return await checkpoint(workflow_id, **fields)
+
+            store.checkpoint = recorded  # type: ignore[method-assign]
+            async with Runtime.open(store, REGISTRY, Settings(), clock=clock) as rt:
+                await rt.start("Flaky", "f", {"key": "b", "fail_times": 1})
+
+                async def retried() -> bool:
+                    clock.advance(5)
+                    return FAILS.get("b", 0) >= 2
+
+                await eventually(retried)
+                await wait_runtime_status(rt, "f", "Finished")
+        finished = [error for status, error in written if status == "Finished"]
+        assert finished and finished == [None] * len(finished)
+
     async def test_fails_after_max_attempts(self, tmp_path: Path) -> None:
         """After max_attempts the workflow is Failed with the error kept."""
         clock = FakeClock()
