@@ -81,10 +81,15 @@ async def bind(
 
 async def _remove_stale(path: Path) -> None:
     try:
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise Unavailable(f"{path} exists and is not a socket")
+        found = os.lstat(path)
     except FileNotFoundError:
         return
+    if not stat.S_ISSOCK(found.st_mode):
+        raise Unavailable(f"{path} exists and is not a socket")
+    # A crash of ours leaves a socket of our uid; another user's socket is theirs to remove,
+    # even when nobody listens on it (the folder may be shared, e.g. /run).
+    if found.st_uid != os.geteuid():
+        raise Unavailable(f"{path} is a socket of uid {found.st_uid}; not removing it")
     try:
         stream = await anyio.connect_unix(path)
     except ConnectionRefusedError:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import collections
+import os
 import shutil
+import socket
 from pathlib import Path
 
+import anyio
 import pytest
 
 from tests.helpers.harness import REPO, Daemon, run_workflowd, running_daemon, write_config
+from tests.helpers.support import needs_root
 from tests.helpers.wait import until, wait_status
 
 MODULES = ["tests.workflows.e2e"]
@@ -76,6 +80,22 @@ class TestProcess:
             assert len(stderr.strip().splitlines()) == 1, stderr
             async with d.client() as c:  # the live one keeps its socket
                 assert (await c.request("ping"))["ok"]
+
+    @needs_root
+    async def test_stale_socket_of_another_uid_is_left_alone(self, tmp_path: Path) -> None:
+        """Another uid's dead socket at the control socket's path: exit 2, the file stays."""
+        path = tmp_path / "ctl.sock"
+        with socket.socket(socket.AF_UNIX) as dead:
+            dead.bind(str(path))
+        os.chown(path, 65534, 65534)
+        before = os.lstat(path)
+        config = write_config(tmp_path, MODULES, daemon={"socket": str(path)})
+        with anyio.fail_after(60):  # a daemon that took the socket over would run on
+            code, stderr = await run_workflowd(config, tmp_path)
+        assert code == 2, stderr
+        assert "socket of uid 65534" in stderr
+        after = os.lstat(path)
+        assert (after.st_ino, after.st_uid) == (before.st_ino, 65534)
 
     async def test_bad_config_exits_2(self, tmp_path: Path) -> None:
         """A bad config stops the start with one clear line naming the key, exit code 2."""

@@ -283,6 +283,20 @@ class TestSocketFile:
         async with serving(backend, short_tmp / "s"), connect(short_tmp / "s") as c:
             assert (await c.call("ping"))["ok"] is True
 
+    @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown a socket to another uid")
+    async def test_stale_socket_of_another_uid_is_left_alone(
+        self, backend: MemoryBackend, short_tmp: Path
+    ) -> None:
+        """Another user's socket nobody listens on is theirs: refused, not removed."""
+        with socket.socket(socket.AF_UNIX) as dead:
+            dead.bind(str(short_tmp / "s"))
+        os.chown(short_tmp / "s", 65534, 65534)
+        before = os.lstat(short_tmp / "s")
+        with anyio.fail_after(10), pytest.raises(Unavailable, match="socket of uid 65534"):
+            await serve(backend, socket_path=short_tmp / "s")
+        after = os.lstat(short_tmp / "s")
+        assert (after.st_ino, after.st_uid) == (before.st_ino, 65534)
+
     async def test_live_socket_is_never_stolen(
         self, backend: MemoryBackend, short_tmp: Path
     ) -> None:
