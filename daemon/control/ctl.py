@@ -6,8 +6,6 @@ import argparse
 import importlib.metadata
 import os
 import re
-import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -42,10 +40,6 @@ SCHEDULE_OPS = {
 #: How bad each end of a waited-for workflow is: with several, the worst sets the exit status.
 WAIT_EXITS = {"Finished": EXIT_OK, "Cancelled": EXIT_CANCELLED, "Failed": EXIT_ERROR}
 _SEVERITY = [EXIT_OK, EXIT_CANCELLED, EXIT_ERROR, EXIT_TIMEOUT]
-
-
-class NoSvg(Exception):
-    """Graphviz's `dot` is missing or failed, so no SVG can be drawn."""
 
 
 def version() -> str:
@@ -282,7 +276,12 @@ def add_repair_commands(command: Any) -> None:
     complete(p.add_argument("workflow", metavar="NAME"), type_names)
     complete(p.add_argument("workflow_id", metavar="ID", nargs="?"), workflow_ids)
     formats = ("mermaid", "dot", "svg")
-    p.add_argument("--format", choices=formats, default="mermaid", help="svg needs Graphviz")
+    p.add_argument(
+        "--format",
+        choices=formats,
+        default="mermaid",
+        help="svg is drawn by workflowd itself, no Graphviz needed",
+    )
     p = command("lint", "check a workflow type's definition; exit 1 if it has errors")
     complete(p.add_argument("workflow", metavar="NAME"), type_names)
     p = command("goto", "move a thread of a waiting or failed workflow to a statement")
@@ -357,14 +356,6 @@ def command_of(args: argparse.Namespace) -> str:
     return str(args.command)
 
 
-def to_svg(dot: str) -> str:
-    """Render Graphviz text as SVG with the `dot` program."""
-    done = subprocess.run(["dot", "-Tsvg"], input=dot, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise NoSvg(f"dot failed ({done.returncode}): {done.stderr.strip()}")
-    return done.stdout
-
-
 class Output:
     """Prints results: exact JSON with --json, else text for people (coloured on a terminal)."""
 
@@ -387,15 +378,8 @@ def run(args: argparse.Namespace, client: Client, out: Output) -> int:
             return list_workflows(args, client, out)
         case "logs":
             return logs(args, client, out)
-    svg = args.command == "graph" and args.format == "svg"
-    if svg:
-        if shutil.which("dot") is None:
-            raise NoSvg("--format svg needs Graphviz's `dot` (install graphviz); try --format dot")
-        args.format = "dot"
     req = build_request(args)
     result = client.call(req.__struct_config__.tag, **fields_of(req))  # type: ignore[arg-type]
-    if svg:
-        result = to_svg(str(result))
     out.result(command_of(args), result)
     if args.command == "lint" and any(f.get("level") == "error" for f in result or []):
         return EXIT_ERROR
@@ -507,9 +491,6 @@ def main(argv: list[str] | None = None) -> None:
     except NoSocket as e:
         print(f"workflowctl: {render.escape(e.message)}", file=sys.stderr)
         code = EXIT_USAGE
-    except NoSvg as e:
-        print(f"workflowctl: {e}", file=sys.stderr)
-        code = EXIT_ERROR
     except Unreachable as e:
         why = f"{e.message} (--timeout)" if e.timed_out else e.message
         print(f"workflowctl: cannot reach workflowd at {path}: {why}", file=sys.stderr)

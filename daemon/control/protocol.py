@@ -143,7 +143,7 @@ class Graph(Request, tag="graph"):
 
     workflow: str
     workflow_id: str | None = None
-    format: Literal["mermaid", "dot"] = "mermaid"
+    format: Literal["mermaid", "dot", "svg"] = "mermaid"
 
 
 class Lint(Request, tag="lint"):
