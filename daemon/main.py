@@ -162,6 +162,8 @@ async def run_daemon(
                 recover=rt.recover_one,
                 gc=rt.gc,
                 keep_days=lambda: rt.settings.keep_finished_days,
+                deadline=rt.deadlines.add,
+                now=rt.clock.now,
             )
             timetable = Schedules(
                 store=store,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import pwd
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Container
 from typing import Any
@@ -18,6 +19,7 @@ import structlog
 from daemon.core.compat import blockers, misfit
 from daemon.core.definition import Definition, goto_targets
 from daemon.core.lint import lint_workflow
+from daemon.core.schedule import iso
 from daemon.core.state import (
     FINAL_STATUSES,
     MAIN_THREAD,
@@ -94,8 +96,12 @@ class Repairs:
         recover: Callable[[WorkflowRow], Awaitable[str]],
         gc: Callable[[float], Awaitable[int]],
         keep_days: Callable[[], float],
+        deadline: Callable[[str, float], None] = lambda workflow_id, at: None,
+        now: Callable[[], float] = time.time,
     ) -> None:
         self._store, self._cache, self._scheduler, self._arms = store, cache, scheduler, arms
+        #: Arms a workflow's deadline again (a retried one may run until it).
+        self._deadline, self._now = deadline, now
         #: Resumes or re-arms one workflow as recovery does (for `resume`).
         self._recover = recover
         self._gc = gc
@@ -271,16 +277,26 @@ class Repairs:
     ) -> dict[str, Any]:
         """Resume a failed workflow from where it failed, with a fresh attempt count.
 
-        `by` names who asked ("dashboard"), for the history record.
+        `by` names who asked ("dashboard"), for the history record. One whose deadline
+        (`timeout_s`) has passed is refused: it would only be cancelled again at once.
         """
         async with self._scheduler.exclusive(workflow_id) as loaded:
             if loaded.state.status is not WorkflowStatus.FAILED:
                 raise Conflict(f"workflow {workflow_id} is {loaded.state.status}, not Failed")
+            row = await self._store.get(workflow_id)
+            deadline = None if row is None else row.deadline
+            if deadline is not None and deadline <= self._now():
+                raise Conflict(
+                    f"workflow {workflow_id}'s deadline passed at {iso(deadline)}; "
+                    "start it again instead"
+                )
             error = loaded.error
             _revive(loaded)
             loaded.state.update_status()
             by_whom = {"by": by} if by is not None else {}
             await self._save(loaded, "retry", {**_who(who), **by_whom, "error": error})
+            if deadline is not None:
+                self._deadline(workflow_id, deadline)
             out = {"workflow_id": workflow_id, "status": loaded.state.status.value}
             return {**out, **self._still_unfit(workflow_id)}
 

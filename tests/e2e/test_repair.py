@@ -18,7 +18,7 @@ from daemon.control.dispatch import RepairTools
 from daemon.ops.repairs import Repairs
 from tests.helpers.client import Client
 from tests.helpers.harness import REPO, Daemon, running_daemon, write_config
-from tests.helpers.wait import eventually, shown_when, wait_status
+from tests.helpers.wait import eventually, shown_when, until, wait_status
 
 MODULES = ["tests.workflows.repair"]
 
@@ -108,6 +108,24 @@ class TestRetryAndEdit:
             assert await error_code(c, "edit", workflow_id="p1", set={"card": "x"}) == "conflict"
             (retried,) = await history(c, "p1", "retry")
             assert "declined" in retried["error"]
+
+    async def test_retry_keeps_the_deadline(self, short_tmp: Path) -> None:
+        """A retried workflow is still cancelled at its deadline; past it, retry is refused."""
+        async with client(short_tmp) as (_, c):
+            await c.call("start", workflow="Gate", workflow_id="g1", timeout_s=5.0)
+            await c.call("start", workflow="Gate", workflow_id="g2", timeout_s=0.5)
+            await wait_status(c, "g1", "Failed")
+            await c.call("edit", workflow_id="g1", set={"open": True})
+            await c.call("retry", workflow_id="g1")
+            shown = await wait_status(c, "g1", "Cancelled")
+            assert shown["error"] == "deadline passed"
+            late = await wait_status(c, "g2", "Failed")
+            await until(lambda: time.time() > late["deadline"])
+            await c.call("edit", workflow_id="g2", set={"open": True})
+            refused = await c.request("retry", workflow_id="g2")
+            assert refused["error"]["code"] == "conflict"
+            assert "deadline passed" in refused["error"]["message"]
+            assert (await c.call("show", workflow_id="g2"))["status"] == "Failed"
 
 
 class TestGoto:

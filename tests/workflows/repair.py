@@ -41,6 +41,23 @@ class Payment(Workflow):
 
 
 @dataclass
+class Gate(Workflow):
+    """Fails at its check unless `open`, then waits for the signal `go` (for deadlines)."""
+
+    open: bool = False
+
+    def check(self) -> None:
+        if not self.open:
+            raise ValueError("gate closed")
+
+    def definition(self) -> Section:
+        return S(
+            Step("check", self.check, retry=Retry(max_attempts=1)),
+            Wait("w", On("go", Signal())),
+        )
+
+
+@dataclass
 class Review(Workflow):
     """Waits for a verdict (a side thread waits for a nudge), then for `ready`, then finishes."""
 
