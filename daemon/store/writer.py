@@ -160,6 +160,7 @@ class GroupWriter:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Future[None] | None = None
         self._current: list[_Write] = []
+        self._crashes = 0  # in a row: the backoff after the next one doubles
 
     @property
     def closed(self) -> bool:
@@ -220,14 +221,14 @@ class GroupWriter:
     # -- the thread -------------------------------------------------------------------------
 
     def _main(self) -> None:
-        crashes = 0
         try:
             while True:
                 try:
                     self._serve()
                     return
                 except BaseException as e:  # noqa: BLE001 - reported, and the thread goes on
-                    crashes += 1
+                    self._crashes += 1
+                    crashes = self._crashes
                     batch, self._current = self._current, []
                     if self._conn.in_transaction:
                         with contextlib.suppress(sqlite3.Error):
@@ -269,6 +270,7 @@ class GroupWriter:
             if not posted:
                 return
             self._current = []
+            self._crashes = 0  # the backoff doubles over crashes in a row only
 
     def _post(self, fn: Callable[..., None], *args: Any) -> bool:
         """Run `fn(*args)` on the loop; return False if the loop is gone."""
