@@ -199,7 +199,9 @@ class SQLiteStore:
             run = updates[start:end]
             if conn.executemany(plain, [u.params for u in run]).rowcount != len(run):
                 raise WorkflowNotFound("a batched update missed its workflow")
-            self._append_many(conn, [u for u in run if u.entries])
+            written = [u for u in run if u.entries]
+            if written:
+                self._append_many(conn, written)
             inbox = [i for u in run for i in u.inbox]
             if inbox:
                 conn.executemany(DROP_INBOX, inbox)
