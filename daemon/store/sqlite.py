@@ -44,6 +44,10 @@ T = TypeVar("T")
 log = structlog.get_logger(__name__)
 #: A schedule's fire records are trimmed back to FIRES_KEPT each time this many more are added.
 TRIM_EVERY = 16
+INSERT_INBOX = (
+    "INSERT INTO inbox (workflow_id, event, thread_id, pc, input, created_at)"
+    " VALUES (?, ?, ?, ?, ?, ?)"
+)
 DROP_INBOX = "DELETE FROM inbox WHERE id = ?"
 DROP_HOOK_RUN = "DELETE FROM hook_runs WHERE id = ?"
 #: Ids per `IN (...)` list: under SQLite's limit of bound parameters.
@@ -289,18 +293,19 @@ class SQLiteStore:
     ) -> int:
         """Record a callback durably and return its inbox id."""
         params = (workflow_id, event, thread_id, pc, schema.to_json(input), get_clock().now())
-
-        def apply(conn: sqlite3.Connection) -> int:
-            cur = conn.execute(
-                "INSERT INTO inbox (workflow_id, event, thread_id, pc, input, created_at)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                params,
-            )
-            assert cur.lastrowid is not None
-            return cur.lastrowid
-
-        inbox_id: int = await self._writes.submit(apply)
+        inbox_id: int = await self._writes.submit_many(self._inbox_puts, params)
         return inbox_id
+
+    @staticmethod
+    def _inbox_puts(conn: sqlite3.Connection, rows: builtins.list[Any]) -> builtins.list[int]:
+        """Insert inbox rows with one executemany; return their ids, in order.
+
+        This connection is the database's only writer and holds its write lock, so the ids
+        AUTOINCREMENT hands out to one statement's rows follow one another.
+        """
+        conn.executemany(INSERT_INBOX, rows)
+        (last,) = conn.execute("SELECT last_insert_rowid()").fetchone()
+        return builtins.list(range(last - len(rows) + 1, last + 1))
 
     async def inbox_done(self, ids: Sequence[int]) -> None:
         """Drop inbox rows without a checkpoint (for callbacks that were rejected)."""

@@ -256,3 +256,28 @@ class TestStore:
                 ("note", 2), ("step", 3), ("note", 3),
             ]  # fmt: skip
             assert [h.detail["n"] for h in await store.history("b")] == [1, 4, 4]
+
+    async def test_inbox_puts_in_one_batch_get_their_own_ids(self, tmp_path: Path) -> None:
+        """Callbacks recorded together (one executemany) each get the id of their own row."""
+        async with SQLiteStore.open(tmp_path / "wf.db") as store:
+            await store.inbox_put("a", "warm", None)  # ids go on from the rows before
+            release = threading.Event()
+            blocker = asyncio.ensure_future(
+                store._writes.call(lambda conn: release.wait(CEILING_S))
+            )
+            await asyncio.sleep(0)
+            puts = [
+                asyncio.ensure_future(store.inbox_put(f"w{i % 3}", "go", {"i": i}))
+                for i in range(30)
+            ]
+            await asyncio.sleep(0)
+            commits = store.stats.commits
+            release.set()
+            await blocker
+            ids = await asyncio.gather(*puts)
+            assert store.stats.commits == commits + 1
+            pending = {row.id: row for row in await store.inbox_pending()}
+            for i, inbox_id in enumerate(ids):
+                got = pending[inbox_id]
+                assert (got.workflow_id, got.input) == (f"w{i % 3}", {"i": i})
+            assert len(set(ids)) == 30
