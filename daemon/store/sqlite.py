@@ -50,8 +50,9 @@ INSERT_INBOX = (
 )
 DROP_INBOX = "DELETE FROM inbox WHERE id = ?"
 DROP_HOOK_RUN = "DELETE FROM hook_runs WHERE id = ?"
-#: Ids per `IN (...)` list: under SQLite's limit of bound parameters.
-IN_CHUNK = 500
+#: One statement for any number of ids (a JSON array): no limit of bound parameters, and
+#: one entry in the connection's statement cache rather than one per count.
+HISTORY_SEQS = "SELECT id, history_seq FROM workflows WHERE id IN (SELECT value FROM json_each(?))"
 
 
 @dataclass(slots=True)
@@ -214,12 +215,8 @@ class SQLiteStore:
 
     def _append_many(self, conn: sqlite3.Connection, updates: builtins.list[_Update]) -> None:
         """Insert the history rows of updates of distinct workflows already applied; trim."""
-        lasts: dict[str, int] = {}
-        for i in range(0, len(updates), IN_CHUNK):
-            chunk = [u.wid for u in updates[i : i + IN_CHUNK]]
-            marks = ", ".join("?" * len(chunk))
-            sql = f"SELECT id, history_seq FROM workflows WHERE id IN ({marks})"
-            lasts.update(conn.execute(sql, chunk).fetchall())
+        ids = schema.to_json([u.wid for u in updates])
+        lasts: dict[str, int] = dict(conn.execute(HISTORY_SEQS, (ids,)).fetchall())
         rows: builtins.list[tuple[Any, ...]] = []
         trims: builtins.list[tuple[str, int]] = []
         for u in updates:

@@ -281,3 +281,30 @@ class TestStore:
                 got = pending[inbox_id]
                 assert (got.workflow_id, got.input) == (f"w{i % 3}", {"i": i})
             assert len(set(ids)) == 30
+
+    async def test_a_batch_of_many_workflows(self, tmp_path: Path) -> None:
+        """1,200 checkpoints in one batch (past SQLite's bound-parameter limit) all land."""
+        async with SQLiteStore.open(tmp_path / "wf.db") as store:
+            for i in range(1200):
+                await store.create(WorkflowRow(f"w{i}", "Demo", "Resuming", "{}", "{}"))
+            release = threading.Event()
+            blocker = asyncio.ensure_future(
+                store._writes.call(lambda conn: release.wait(CEILING_S))
+            )
+            await asyncio.sleep(0)
+            saves = [
+                asyncio.ensure_future(
+                    store.checkpoint(
+                        f"w{i}", status="Waiting", data="{}", state="{}", history=[("step", {})]
+                    )
+                )
+                for i in range(1200)
+            ]
+            await asyncio.sleep(0)
+            commits = store.stats.commits
+            release.set()
+            await blocker
+            await asyncio.gather(*saves)
+            assert store.stats.commits == commits + 1
+            assert await store.counts() == {"Waiting": 1200}
+            assert [h.kind for h in await store.history("w1199")] == ["step"]
