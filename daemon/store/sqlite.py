@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import sqlite3
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -36,30 +38,70 @@ from daemon.store.base import (
     WorkflowRow,
 )
 from daemon.store.schema import FINAL, Entries
-from daemon.store.writer import GroupWriter
+from daemon.store.writer import ApplyMany, GroupWriter, statement
 
 T = TypeVar("T")
 log = structlog.get_logger(__name__)
 #: A schedule's fire records are trimmed back to FIRES_KEPT each time this many more are added.
 TRIM_EVERY = 16
+INSERT_INBOX = (
+    "INSERT INTO inbox (workflow_id, event, thread_id, pc, input, created_at)"
+    " VALUES (?, ?, ?, ?, ?, ?)"
+)
+DROP_INBOX = "DELETE FROM inbox WHERE id = ?"
+DROP_HOOK_RUN = "DELETE FROM hook_runs WHERE id = ?"
+#: One statement for any number of ids (a JSON array): no limit of bound parameters, and
+#: one entry in the connection's statement cache rather than one per count.
+HISTORY_SEQS = "SELECT id, history_seq FROM workflows WHERE id IN (SELECT value FROM json_each(?))"
+
+
+@dataclass(slots=True)
+class _Update:
+    """One UPDATE of a workflow row (ending in `updated_at`, `history_seq`, `id`) and its rows."""
+
+    wid: str
+    params: tuple[Any, ...]
+    entries: Entries
+    inbox: builtins.list[tuple[int]]
+
+
+def _connect_writer(path: Path, pragmas: str) -> sqlite3.Connection:
+    """Open the writer thread's connection (made here, used only by that thread from then on)."""
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:
+        conn.executescript(pragmas)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
 
 
 class SQLiteStore:
-    """The daemon's SQLite database; one writer task commits every write in groups."""
+    """The daemon's SQLite database; one writer thread commits every write in groups.
+
+    Writes go to the writer thread's own sqlite3 connection; reads stay on aiosqlite
+    connections (a reader and a lister), each with its own thread.
+    """
 
     def __init__(
         self,
         path: Path,
-        writer: aiosqlite.Connection,
+        writer: sqlite3.Connection,
         reader: aiosqlite.Connection,
         keep: int,
         metrics: Metrics | None = None,
         lister: aiosqlite.Connection | None = None,
     ) -> None:
         self.path = path
-        self._writer = writer
         self._writes = GroupWriter(writer, metrics)
         self.stats = self._writes.stats
+        #: Made once each, so that neighbouring writes of one kind are grouped by identity.
+        self._many: dict[str, ApplyMany] = {
+            sql: functools.partial(self._update_many, sql)
+            for sql in (schema.CHECKPOINT, schema.SET_STATUS, schema.ADD_HISTORY)
+        }
+        self._drop_inbox = statement(DROP_INBOX)
+        self._drop_hook_runs = statement(DROP_HOOK_RUN)
         self._reader = reader
         #: Pages of `list` are read on a connection of their own: a flood of them queues
         #: behind itself, not in front of ping's counts or a send's lookups.
@@ -94,24 +136,23 @@ class SQLiteStore:
             schema.check_files(path)
             base = "PRAGMA busy_timeout = 5000; PRAGMA journal_mode = WAL;"
             try:
-                writer = await schema.connect(stack, path, f"{base} PRAGMA synchronous = {sync};")
-                await schema.migrate(writer, path)
+                migrator = await schema.connect(stack, path, base)
+                await schema.migrate(migrator, path)
+                await migrator.close()
+                writer = await anyio.to_thread.run_sync(
+                    _connect_writer, path, f"{base} PRAGMA synchronous = {sync};"
+                )
+                stack.callback(writer.close)  # the writer thread closes it; this if it never ran
                 reader = await schema.connect(stack, path, f"{base} PRAGMA query_only = 1;")
                 lister = await schema.connect(stack, path, f"{base} PRAGMA query_only = 1;")
             except (OSError, sqlite3.Error) as e:
                 raise StoreUnusable(f"cannot open {path}: {type(e).__name__}: {e}") from None
             store = cls(path, writer, reader, history_keep, metrics, lister)
-            failure: Exception | None = None
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(store._writes.run)
-                try:
-                    yield store
-                except Exception as e:  # noqa: BLE001 - raised below, outside the task group
-                    failure = e  # so the caller sees it as is, not inside an ExceptionGroup
-                finally:
-                    await store._writes.close()
-            if failure is not None:
-                raise failure
+            store._writes.start()
+            try:
+                yield store
+            finally:
+                await store._writes.close()
 
     def _append(self, conn: sqlite3.Connection, wid: str, last: int, entries: Entries) -> None:
         """Insert history rows numbered up to `last`, then trim the workflow's oldest ones."""
@@ -128,18 +169,65 @@ class SQLiteStore:
         now = get_clock().now()
         entries = [(now, kind, schema.to_json(detail)) for kind, detail in history]
         params = (*head, now, len(entries), wid) if head else (len(entries), wid)
-        inbox = [(i,) for i in done]
+        update = _Update(wid, params, entries, [(i,) for i in done])
+        await self._writes.submit_many(self._many[sql], update)
 
-        def apply(conn: sqlite3.Connection) -> None:
-            row = conn.execute(sql, params).fetchone()  # the rowcount check, without a SELECT
-            if row is None:
-                raise WorkflowNotFound(f"no workflow {wid!r}")
-            if entries:
-                self._append(conn, wid, row[0], entries)
+    def _update_one(self, conn: sqlite3.Connection, sql: str, u: _Update) -> None:
+        row = conn.execute(sql, u.params).fetchone()  # the rowcount check, without a SELECT
+        if row is None:
+            raise WorkflowNotFound(f"no workflow {u.wid!r}")
+        if u.entries:
+            self._append(conn, u.wid, row[0], u.entries)
+        if u.inbox:
+            conn.executemany(DROP_INBOX, u.inbox)
+
+    def _update_many(
+        self, sql: str, conn: sqlite3.Connection, updates: builtins.list[_Update]
+    ) -> builtins.list[None]:
+        """Apply a run of updates with one `executemany` per statement.
+
+        A workflow updated twice in the run starts a new round at its second update, so
+        its history numbers follow the order of its updates. A run that misses a workflow
+        raises, and the writer then retries its writes one by one, naming the missing one.
+        """
+        if len(updates) == 1:
+            self._update_one(conn, sql, updates[0])
+            return [None]
+        plain = sql.removesuffix(" RETURNING history_seq")
+        start = 0
+        while start < len(updates):
+            seen: set[str] = set()
+            end = start
+            while end < len(updates) and updates[end].wid not in seen:
+                seen.add(updates[end].wid)
+                end += 1
+            run = updates[start:end]
+            if conn.executemany(plain, [u.params for u in run]).rowcount != len(run):
+                raise WorkflowNotFound("a batched update missed its workflow")
+            written = [u for u in run if u.entries]
+            if written:
+                self._append_many(conn, written)
+            inbox = [i for u in run for i in u.inbox]
             if inbox:
-                conn.executemany("DELETE FROM inbox WHERE id = ?", inbox)
+                conn.executemany(DROP_INBOX, inbox)
+            start = end
+        return [None] * len(updates)
 
-        await self._writes.submit(apply)
+    def _append_many(self, conn: sqlite3.Connection, updates: builtins.list[_Update]) -> None:
+        """Insert the history rows of updates of distinct workflows already applied; trim."""
+        ids = schema.to_json([u.wid for u in updates])
+        lasts: dict[str, int] = dict(conn.execute(HISTORY_SEQS, (ids,)).fetchall())
+        rows: builtins.list[tuple[Any, ...]] = []
+        trims: builtins.list[tuple[str, int]] = []
+        for u in updates:
+            last = lasts[u.wid]
+            first = last - len(u.entries) + 1
+            rows += [(u.wid, first + i, at, kind, d) for i, (at, kind, d) in enumerate(u.entries)]
+            if last > self._keep:
+                trims.append((u.wid, last - self._keep))
+        conn.executemany(schema.INSERT_HISTORY, rows)
+        if trims:
+            conn.executemany(schema.TRIM_HISTORY, trims)
 
     async def create(self, row: WorkflowRow, history: History = ()) -> bool:
         """Insert `row` unless its id exists; return whether it was inserted, once durable."""
@@ -202,25 +290,23 @@ class SQLiteStore:
     ) -> int:
         """Record a callback durably and return its inbox id."""
         params = (workflow_id, event, thread_id, pc, schema.to_json(input), get_clock().now())
-
-        def apply(conn: sqlite3.Connection) -> int:
-            cur = conn.execute(
-                "INSERT INTO inbox (workflow_id, event, thread_id, pc, input, created_at)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                params,
-            )
-            assert cur.lastrowid is not None
-            return cur.lastrowid
-
-        inbox_id: int = await self._writes.submit(apply)
+        inbox_id: int = await self._writes.submit_many(self._inbox_puts, params)
         return inbox_id
+
+    @staticmethod
+    def _inbox_puts(conn: sqlite3.Connection, rows: builtins.list[Any]) -> builtins.list[int]:
+        """Insert inbox rows with one executemany; return their ids, in order.
+
+        This connection is the database's only writer and holds its write lock, so the ids
+        AUTOINCREMENT hands out to one statement's rows follow one another.
+        """
+        conn.executemany(INSERT_INBOX, rows)
+        (last,) = conn.execute("SELECT last_insert_rowid()").fetchone()
+        return builtins.list(range(last - len(rows) + 1, last + 1))
 
     async def inbox_done(self, ids: Sequence[int]) -> None:
         """Drop inbox rows without a checkpoint (for callbacks that were rejected)."""
-        done = [(i,) for i in ids]
-        await self._writes.submit(
-            lambda conn: conn.executemany("DELETE FROM inbox WHERE id = ?", done)
-        )
+        await self._writes.submit_many(self._drop_inbox, [(i,) for i in ids])
 
     async def delete_finished(self, older_than: float) -> int:
         """Delete workflows in a final status not updated since `older_than`; return how many."""
@@ -481,10 +567,7 @@ class SQLiteStore:
 
     async def hooks_done(self, hook_ids: Sequence[int]) -> None:
         """Forget endings whose hooks ran (or that have none)."""
-        ids = [(i,) for i in hook_ids]
-        await self._writes.submit(
-            lambda conn: conn.executemany("DELETE FROM hook_runs WHERE id = ?", ids)
-        )
+        await self._writes.submit_many(self._drop_hook_runs, [(i,) for i in hook_ids])
 
     async def counts_by_type(self) -> dict[tuple[str, str], int]:
         """Return how many workflows of each (type, status) there are."""

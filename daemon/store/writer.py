@@ -1,29 +1,31 @@
-"""Group commit: one writer task commits every write queued at that moment in one transaction."""
+"""Group commit: one writer thread commits every write queued at that moment in one transaction."""
 
 from __future__ import annotations
 
 import asyncio
-import builtins
 import contextlib
-import functools
 import sqlite3
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-import aiosqlite
 import anyio
 import structlog
 
 from daemon.errors import Unavailable
 from daemon.observe.metrics import Metrics
 
-T = TypeVar("T")
 log = structlog.get_logger(__name__)
 #: A write: runs on the writer's connection inside the batch's transaction.
 Apply = Callable[[sqlite3.Connection], Any]
+#: Writes of one kind queued one after another: applied together (one `executemany` per
+#: statement), returning one result per item, in order; raising fails the whole run.
+ApplyMany = Callable[[sqlite3.Connection, list[Any]], list[Any]]
+#: How long the thread waits before serving again after a crash, at most.
+CRASH_BACKOFF_MAX_S = 1.0
 
 
 @dataclass(slots=True)
@@ -37,10 +39,13 @@ class StoreStats:
 
 @dataclass(slots=True, eq=False)
 class _Write:
-    apply: Apply
+    apply: Apply | None
+    many: ApplyMany | None
+    item: Any
     #: A bare loop future, not an anyio.Event: this is made once per write and anyio looks its
     #: backend up on every Event it makes. A cancelled waiter cancels it, so check `done()`.
     done: asyncio.Future[None]
+    alone: bool = False  #: run outside any transaction (a PRAGMA, a probe), never batched
     result: Any = None
     error: BaseException | None = None
 
@@ -50,10 +55,32 @@ class _Write:
             self.done.set_result(None)
 
 
+def _apply(conn: sqlite3.Connection, batch: list[_Write]) -> list[Any]:
+    """Apply `batch` in order; a run of writes of the same kind goes through its ApplyMany once."""
+    results: list[Any] = []
+    i = 0
+    while i < len(batch):
+        w = batch[i]
+        if w.many is None:
+            assert w.apply is not None
+            results.append(w.apply(conn))
+            i += 1
+            continue
+        j = i + 1
+        while j < len(batch) and batch[j].many is w.many:
+            j += 1
+        out = w.many(conn, [x.item for x in batch[i:j]])
+        if len(out) != j - i:
+            raise RuntimeError(f"{w.many!r} returned {len(out)} results for {j - i} writes")
+        results += out
+        i = j
+    return results
+
+
 def _transaction(conn: sqlite3.Connection, batch: list[_Write]) -> None:
     """Apply and commit `batch` in the transaction the caller began, or roll it all back."""
     try:
-        results = [w.apply(conn) for w in batch]
+        results = _apply(conn, batch)
         conn.execute("COMMIT")
     except BaseException:
         if conn.in_transaction:
@@ -93,83 +120,210 @@ def _commit_batch(conn: sqlite3.Connection, batch: list[_Write]) -> tuple[int, b
     return commits, True
 
 
-async def _in_thread(conn: aiosqlite.Connection, fn: Callable[[sqlite3.Connection], T]) -> T:
-    """Run `fn` on the connection's own thread.
+def _run_alone(conn: sqlite3.Connection, w: _Write) -> None:
+    try:
+        assert w.apply is not None
+        w.result = w.apply(conn)
+    except Exception as e:  # noqa: BLE001 - the caller re-raises it as is
+        w.error = e
 
-    aiosqlite has no public call for this; its per-statement API costs a thread round trip
-    per statement, while a whole batch needs only one.
-    """
-    raw = conn._conn
-    result: T = await conn._execute(fn, raw)  # type: ignore[no-untyped-call]
-    return result
+
+def statement(sql: str) -> ApplyMany:
+    """Return an ApplyMany whose items are lists of `sql`'s parameter rows, run as one executemany."""
+
+    def apply_many(conn: sqlite3.Connection, items: list[Any]) -> list[Any]:
+        conn.executemany(sql, [row for rows in items for row in rows])
+        return [None] * len(items)
+
+    return apply_many
 
 
 class GroupWriter:
-    """Owns the write connection; callers queue writes and each awaits its own commit."""
+    """Owns the write connection and its thread; callers queue writes and await their commit.
 
-    def __init__(self, conn: aiosqlite.Connection, metrics: Metrics | None = None) -> None:
+    The thread takes everything queued, commits it in one transaction and hands the whole
+    batch back to the event loop with one wake-up, then takes what queued meanwhile: batches
+    form while the previous one commits, not when the loop gets round to it. The connection
+    is the thread's alone from `start` on; it is closed by the thread when it stops.
+    """
+
+    def __init__(self, conn: sqlite3.Connection, metrics: Metrics | None = None) -> None:
         self.stats = StoreStats()
         self._metrics = metrics
         self._conn = conn
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
         self._queue: deque[_Write] = deque()
-        self._wake = asyncio.Event()  # set once per write: asyncio's is the cheaper one
-        self._stopped = anyio.Event()
+        self._idle = False  # the thread waits on `_wake`: only then does a write notify it
         self._closing = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped: asyncio.Future[None] | None = None
+        self._current: list[_Write] = []
+        self._crashes = 0  # in a row: the backoff after the next one doubles
 
     @property
     def closed(self) -> bool:
         """Tell whether the writer has stopped for good."""
-        return self._closing and self._stopped.is_set()
+        return self._closing and (self._stopped is None or self._stopped.done())
+
+    def start(self) -> None:
+        """Start the writer thread, which posts its results to the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._stopped = self._loop.create_future()
+        self._thread = threading.Thread(target=self._main, name="workflowd-writer", daemon=True)
+        self._thread.start()
 
     async def close(self) -> None:
-        """Commit what is queued, then stop."""
-        self._closing = True
-        self._wake.set()
-        with anyio.CancelScope(shield=True):
-            await self._stopped.wait()
-
-    async def run(self) -> None:
-        """Commit queued writes in groups until closed; fail what is left with Unavailable."""
-        batch: builtins.list[_Write] = []
-        try:
-            while self._queue or not self._closing:
-                if not self._queue:
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                batch = list(self._queue)
-                self._queue.clear()
-                began = time.perf_counter()
-                commits, split = await _in_thread(
-                    self._conn, functools.partial(_commit_batch, batch=batch)
-                )
-                if self._metrics is not None:
-                    self._metrics.commit(time.perf_counter() - began, len(batch))
-                failed = sum(w.error is not None for w in batch)
-                self.stats.commits += commits
-                self.stats.writes += len(batch) - failed
-                if split:
-                    self.stats.splits += 1
-                    log.warning("store_batch_split", batch=len(batch), failed=failed)
-                for w in batch:
-                    w.finish()
-                batch = []
-        finally:
+        """Commit what is queued, then stop the thread and wait for it to end."""
+        with self._lock:
             self._closing = True
-            for w in [*batch, *self._queue]:
-                if not w.done.done():
-                    w.error = Unavailable("the store closed before this write was committed")
-                    w.finish()
-            self._stopped.set()
+            self._wake.notify()
+        if self._stopped is None:  # never started: nothing was committed
+            self._ended()
+            return
+        with anyio.CancelScope(shield=True):
+            await self._stopped
+            assert self._thread is not None
+            await anyio.to_thread.run_sync(self._thread.join)
 
     async def submit(self, apply: Apply) -> Any:
         """Queue one write and return its result once it is committed (or raise its error)."""
+        return await self._queued(_Write(apply, None, None, self._future()))
+
+    async def submit_many(self, many: ApplyMany, item: Any) -> Any:
+        """Queue one write applied with `many` together with its neighbours of the same kind.
+
+        `many` must be the same object each time for writes to be grouped.
+        """
+        return await self._queued(_Write(None, many, item, self._future()))
+
+    async def call(self, fn: Apply) -> Any:
+        """Run `fn` on the writer's connection between batches, outside any transaction."""
+        return await self._queued(_Write(fn, None, None, self._future(), alone=True))
+
+    def _future(self) -> asyncio.Future[None]:
         if self._closing:
             raise Unavailable("the store is closed")
-        w = _Write(apply, asyncio.get_running_loop().create_future())
-        self._queue.append(w)
-        self._wake.set()
+        return asyncio.get_running_loop().create_future()
+
+    async def _queued(self, w: _Write) -> Any:
+        with self._lock:
+            self._queue.append(w)
+            if self._idle:
+                self._idle = False
+                self._wake.notify()
         await w.done
         if w.error is not None:
             raise w.error
         return w.result
+
+    # -- the thread -------------------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            while True:
+                try:
+                    self._serve()
+                    return
+                except BaseException as e:  # noqa: BLE001 - reported, and the thread goes on
+                    self._crashes += 1
+                    crashes = self._crashes
+                    batch, self._current = self._current, []
+                    if self._conn.in_transaction:
+                        with contextlib.suppress(sqlite3.Error):
+                            self._conn.execute("ROLLBACK")
+                    if not self._post(self._crashed, batch, e, crashes):
+                        return
+                    time.sleep(min(0.01 * 2**crashes, CRASH_BACKOFF_MAX_S))
+        finally:
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.close()
+            self._post(self._ended)
+
+    def _serve(self) -> None:
+        """Commit batches until closed and drained."""
+        conn = self._conn
+        while True:
+            with self._lock:
+                while not self._queue:
+                    if self._closing:
+                        return
+                    self._idle = True
+                    self._wake.wait()
+                    self._idle = False
+                # Up to the next write that must run alone, which then runs by itself: what
+                # is taken is done (or failed) before anything behind it starts.
+                batch = [self._queue.popleft()]
+                if not batch[0].alone:
+                    while self._queue and not self._queue[0].alone:
+                        batch.append(self._queue.popleft())
+                self._current = batch
+            if batch[0].alone:
+                _run_alone(conn, batch[0])
+                posted = self._post(self._finished, batch)
+            else:
+                began = time.perf_counter()
+                commits, split = _commit_batch(conn, batch)
+                took = time.perf_counter() - began
+                posted = self._post(self._committed, batch, commits, split, took)
+            if not posted:
+                return
+            self._current = []
+            self._crashes = 0  # the backoff doubles over crashes in a row only
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> bool:
+        """Run `fn(*args)` on the loop; return False if the loop is gone."""
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+            return True
+        except RuntimeError:  # the loop is closed: nobody awaits these any more
+            return False
+
+    # -- back on the loop -------------------------------------------------------------------
+
+    def _committed(self, batch: list[_Write], commits: int, split: bool, took: float) -> None:
+        if self._metrics is not None:
+            self._metrics.commit(took, len(batch))
+        failed = sum(w.error is not None for w in batch)
+        self.stats.commits += commits
+        self.stats.writes += len(batch) - failed
+        if split:
+            self.stats.splits += 1
+            log.warning("store_batch_split", batch=len(batch), failed=failed)
+        self._finished(batch)
+
+    @staticmethod
+    def _finished(batch: list[_Write]) -> None:
+        for w in batch:
+            w.finish()
+
+    def _crashed(self, batch: list[_Write], error: BaseException, crashes: int) -> None:
+        log.error(
+            "store_writer_crashed",
+            error=f"{type(error).__name__}: {error}",
+            writes=len(batch),
+            crashes=crashes,
+            exc_info=error,
+        )
+        for w in batch:
+            if w.error is None:
+                w.error = Unavailable(
+                    f"the store's writer crashed ({type(error).__name__}: {error})"
+                    " before this write was confirmed"
+                )
+            w.finish()
+
+    def _ended(self) -> None:
+        with self._lock:
+            self._closing = True
+            left = list(self._queue)
+            self._queue.clear()
+        for w in [*self._current, *left]:
+            if not w.done.done():
+                w.error = Unavailable("the store closed before this write was committed")
+                w.finish()
+        self._current = []
+        if self._stopped is not None and not self._stopped.done():
+            self._stopped.set_result(None)

@@ -47,6 +47,12 @@ def raw(db: Path, sql: str) -> list[tuple[object, ...]]:
         conn.close()
 
 
+async def pragma(store: SQLiteStore, text: str) -> object:
+    """Run `PRAGMA text` on the store's write connection and return its first value, if any."""
+    row = await store._writes.call(lambda conn: conn.execute(f"PRAGMA {text}").fetchone())
+    return None if row is None else row[0]
+
+
 class TestOpen:
     async def test_creates_schema_and_version(self, tmp_path: Path) -> None:
         """Opening a new path creates the directory, the tables and sets user_version."""
@@ -84,7 +90,7 @@ class TestOpen:
     async def test_synchronous_full(self, tmp_path: Path) -> None:
         """synchronous='full' sets FULL on the write connection."""
         async with SQLiteStore.open(tmp_path / "wf.db", synchronous="full") as store:
-            assert list(await store._writer.execute_fetchall("PRAGMA synchronous")) == [(2,)]
+            assert await pragma(store, "synchronous") == 2
             assert await store.create(row("a"))
 
     async def test_bad_synchronous(self, tmp_path: Path) -> None:
@@ -236,8 +242,8 @@ class TestGroupCommit:
         async with SQLiteStore.open(tmp_path / "wf.db") as store:
             for i in range(20):
                 await store.create(row(f"w{i}"))
-            ((pages,),) = await store._writer.execute_fetchall("PRAGMA page_count")
-            await store._writer.execute(f"PRAGMA max_page_count = {pages}")
+            pages = await pragma(store, "page_count")
+            await pragma(store, f"max_page_count = {pages}")
             errors: list[BaseException] = []
 
             async def save(wid: str, data: str) -> None:
@@ -261,7 +267,7 @@ class TestGroupCommit:
         async with SQLiteStore.open(db) as store:
             for i in range(10):
                 await store.create(row(f"w{i}"))
-            await store._writer.execute("PRAGMA busy_timeout = 50")
+            await pragma(store, "busy_timeout = 50")
             intruder = sqlite3.connect(db, isolation_level=None)
             intruder.execute("BEGIN IMMEDIATE")
             errors: list[BaseException] = []

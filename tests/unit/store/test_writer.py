@@ -1,0 +1,310 @@
+"""Tests for daemon.store.writer: the writer thread, its batches and its wake-ups."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import structlog
+
+from daemon.errors import Unavailable
+from daemon.store.base import WorkflowRow
+from daemon.store.sqlite import SQLiteStore
+from daemon.store.writer import GroupWriter, statement
+
+CEILING_S = 10.0
+
+
+class Counting(sqlite3.Connection):
+    """A connection that counts the statements it is given, by call."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[str, str]] = []
+
+    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+        """Count one execute."""
+        self.calls.append(("execute", sql))
+        return super().execute(sql, *args)
+
+    def executemany(self, sql: str, *args: Any) -> sqlite3.Cursor:
+        """Count one executemany."""
+        self.calls.append(("executemany", sql))
+        return super().executemany(sql, *args)
+
+
+def connect(db: Path) -> Counting:
+    """Open a write connection as the store does, counting its statements."""
+    conn = sqlite3.connect(db, isolation_level=None, check_same_thread=False, factory=Counting)
+    assert isinstance(conn, Counting)
+    conn.executescript("PRAGMA journal_mode = WAL; CREATE TABLE IF NOT EXISTS t (k INTEGER);")
+    return conn
+
+
+@asynccontextmanager
+async def writer(db: Path) -> AsyncIterator[tuple[GroupWriter, Counting]]:
+    """Run a GroupWriter on a fresh counting connection; close it on exit."""
+    conn = connect(db)
+    w = GroupWriter(conn)
+    w.start()
+    try:
+        yield w, conn
+    finally:
+        await w.close()
+
+
+def committed(db: Path) -> int:
+    """Count the rows another connection sees committed in `t`."""
+    conn = sqlite3.connect(db)
+    try:
+        (n,) = conn.execute("SELECT COUNT(*) FROM t").fetchone()
+        return int(n)
+    finally:
+        conn.close()
+
+
+def insert(k: int) -> Callable[[sqlite3.Connection], None]:
+    """Return a write that inserts `k`."""
+
+    def apply(conn: sqlite3.Connection) -> None:
+        conn.execute("INSERT INTO t VALUES (?)", (k,))
+
+    return apply
+
+
+class TestThread:
+    async def test_one_wake_per_batch(self, tmp_path: Path) -> None:
+        """200 concurrent writes reach the loop with one call_soon_threadsafe per batch."""
+        loop = asyncio.get_running_loop()
+        posts = 0
+        real = loop.call_soon_threadsafe
+
+        def counted(*args: Any, **kwargs: Any) -> asyncio.Handle:
+            nonlocal posts
+            posts += 1
+            return real(*args, **kwargs)
+
+        async with writer(tmp_path / "w.db") as (w, _):
+            loop.call_soon_threadsafe = counted  # type: ignore[method-assign,assignment]
+            try:
+                async with anyio.create_task_group() as tg:
+                    for k in range(200):
+                        tg.start_soon(w.submit, insert(k))
+            finally:
+                del loop.call_soon_threadsafe
+            assert w.stats.writes == 200 and w.stats.splits == 0
+            assert posts == w.stats.commits < 200
+        assert committed(tmp_path / "w.db") == 200
+
+    async def test_commits_while_the_loop_is_blocked(self, tmp_path: Path) -> None:
+        """Writes queued before the loop blocks are committed meanwhile: batches need no loop turn."""
+        db = tmp_path / "w.db"
+        async with writer(db) as (w, _):
+            waiters = [asyncio.ensure_future(w.submit(insert(k))) for k in range(50)]
+            await asyncio.sleep(0)  # each waiter queues its write
+            deadline = time.monotonic() + CEILING_S
+            # Blocking the loop on purpose: the thread alone must get the rows committed.
+            while committed(db) < 50 and time.monotonic() < deadline:
+                time.sleep(0.005)  # noqa: ASYNC251 - the point is that the loop does not run
+            assert committed(db) == 50
+            await asyncio.gather(*waiters)
+
+    async def test_waiter_wakes_after_commit(self, tmp_path: Path) -> None:
+        """When a write's waiter wakes, another connection already sees the write."""
+        db = tmp_path / "w.db"
+        async with writer(db) as (w, _):
+            for k in range(20):
+                await w.submit(insert(k))
+                assert committed(db) == k + 1
+
+    async def test_cancelled_waiter_neither_loses_nor_doubles(self, tmp_path: Path) -> None:
+        """A write whose waiter is cancelled after queueing it is committed exactly once."""
+        db = tmp_path / "w.db"
+        async with writer(db) as (w, _):
+            release = threading.Event()
+            blocker = asyncio.ensure_future(w.submit(lambda conn: release.wait(CEILING_S)))
+            await asyncio.sleep(0)
+            victim = asyncio.ensure_future(w.submit(insert(7)))
+            await asyncio.sleep(0)
+            victim.cancel()
+            release.set()
+            await blocker
+            await w.submit(insert(8))
+            assert victim.cancelled()
+        assert committed(db) == 2
+
+    async def test_runs_of_one_kind_share_one_executemany(self, tmp_path: Path) -> None:
+        """Neighbouring writes made with the same ApplyMany go through one executemany."""
+        drop = statement("DELETE FROM t WHERE k = ?")
+        async with writer(tmp_path / "w.db") as (w, conn):
+            for k in range(30):
+                await w.submit(insert(k))
+            release = threading.Event()
+            blocker = asyncio.ensure_future(w.submit(lambda conn: release.wait(CEILING_S)))
+            await asyncio.sleep(0)
+            conn.calls.clear()  # the thread is held in the blocker: nothing else runs
+            drops = [asyncio.ensure_future(w.submit_many(drop, [(k,)])) for k in range(30)]
+            await asyncio.sleep(0)
+            release.set()
+            await blocker
+            await asyncio.gather(*drops)
+            many = [c for c in conn.calls if c[0] == "executemany"]
+            assert many == [("executemany", "DELETE FROM t WHERE k = ?")]
+        assert committed(tmp_path / "w.db") == 0
+
+    async def test_a_crash_is_reported_and_the_writer_goes_on(self, tmp_path: Path) -> None:
+        """A write that kills its batch (a BaseException) fails with Unavailable, logged; the
+        thread serves the next write."""
+
+        class Boom(BaseException):
+            """Not an Exception: gets past every per-write handler."""
+
+        def boom(conn: sqlite3.Connection) -> None:
+            conn.execute("INSERT INTO t VALUES (99)")
+            raise Boom("kaput")
+
+        db = tmp_path / "w.db"
+        with structlog.testing.capture_logs() as logs:
+            async with writer(db) as (w, _):
+                with pytest.raises(Unavailable, match=r"writer crashed \(Boom: kaput\)"):
+                    await w.submit(boom)
+                await w.submit(insert(1))
+        assert committed(db) == 1  # the crashed batch was rolled back
+        crashed = [e for e in logs if e["event"] == "store_writer_crashed"]
+        assert len(crashed) == 1 and crashed[0]["log_level"] == "error"
+        assert crashed[0]["error"] == "Boom: kaput"
+
+    async def test_close_drains_and_joins(self, tmp_path: Path) -> None:
+        """close() commits what is queued, ends the thread and refuses new writes."""
+        db = tmp_path / "w.db"
+        async with writer(db) as (w, _):
+            waiters = [asyncio.ensure_future(w.submit(insert(k))) for k in range(40)]
+            await asyncio.sleep(0)
+            await w.close()
+            assert w._thread is not None and not w._thread.is_alive()
+            assert w.closed
+            await asyncio.gather(*waiters)
+            with pytest.raises(Unavailable):
+                await w.submit(insert(0))
+        assert committed(db) == 40
+
+    async def test_call_runs_outside_a_transaction(self, tmp_path: Path) -> None:
+        """call() runs alone, between batches, with no transaction open."""
+        async with writer(tmp_path / "w.db") as (w, _):
+            assert not await w.call(lambda conn: conn.in_transaction)
+            assert await w.submit(lambda conn: conn.in_transaction)
+
+
+async def pragma(store: SQLiteStore, text: str) -> object:
+    """Run `PRAGMA text` on the store's write connection and return its first value."""
+    row = await store._writes.call(lambda conn: conn.execute(f"PRAGMA {text}").fetchone())
+    return None if row is None else row[0]
+
+
+class TestStore:
+    @pytest.mark.parametrize(("synchronous", "level"), [("normal", 1), ("full", 2)])
+    async def test_writer_connection_pragmas(
+        self, tmp_path: Path, synchronous: str, level: int
+    ) -> None:
+        """The writer thread's connection has WAL, the busy timeout and the configured level."""
+        async with SQLiteStore.open(tmp_path / "wf.db", synchronous=synchronous) as store:
+            assert await pragma(store, "journal_mode") == "wal"
+            assert await pragma(store, "busy_timeout") == 5000
+            assert await pragma(store, "synchronous") == level
+
+    async def test_a_workflow_saved_twice_in_one_batch(self, tmp_path: Path) -> None:
+        """Two checkpoints of one workflow in one batch keep their order: data and history."""
+        async with SQLiteStore.open(tmp_path / "wf.db", history_keep=3) as store:
+            for wid in ("a", "b"):
+                await store.create(WorkflowRow(wid, "Demo", "Resuming", "{}", "{}"))
+            release = threading.Event()
+            blocker = asyncio.ensure_future(
+                store._writes.call(lambda conn: release.wait(CEILING_S))
+            )
+            await asyncio.sleep(0)
+            history = [("step", {"n": n}) for n in range(5)]
+            saves = [
+                asyncio.ensure_future(
+                    store.checkpoint(
+                        wid,
+                        status="Waiting",
+                        data=f'{{"n":{n}}}',
+                        state="{}",
+                        history=[history[n], ("note", {"n": n})],
+                    )
+                )
+                for n, wid in enumerate(["a", "b", "a", "a", "b"])
+            ]
+            await asyncio.sleep(0)
+            commits = store.stats.commits
+            release.set()
+            await blocker
+            await asyncio.gather(*saves)
+            assert store.stats.commits == commits + 1 and store.stats.splits == 0
+            a, b = await store.get("a"), await store.get("b")
+            assert a is not None and a.data == '{"n":3}'
+            assert b is not None and b.data == '{"n":4}'
+            assert [(h.kind, h.detail["n"]) for h in await store.history("a")] == [
+                ("note", 2), ("step", 3), ("note", 3),
+            ]  # fmt: skip
+            assert [h.detail["n"] for h in await store.history("b")] == [1, 4, 4]
+
+    async def test_inbox_puts_in_one_batch_get_their_own_ids(self, tmp_path: Path) -> None:
+        """Callbacks recorded together (one executemany) each get the id of their own row."""
+        async with SQLiteStore.open(tmp_path / "wf.db") as store:
+            await store.inbox_put("a", "warm", None)  # ids go on from the rows before
+            release = threading.Event()
+            blocker = asyncio.ensure_future(
+                store._writes.call(lambda conn: release.wait(CEILING_S))
+            )
+            await asyncio.sleep(0)
+            puts = [
+                asyncio.ensure_future(store.inbox_put(f"w{i % 3}", "go", {"i": i}))
+                for i in range(30)
+            ]
+            await asyncio.sleep(0)
+            commits = store.stats.commits
+            release.set()
+            await blocker
+            ids = await asyncio.gather(*puts)
+            assert store.stats.commits == commits + 1
+            pending = {row.id: row for row in await store.inbox_pending()}
+            for i, inbox_id in enumerate(ids):
+                got = pending[inbox_id]
+                assert (got.workflow_id, got.input) == (f"w{i % 3}", {"i": i})
+            assert len(set(ids)) == 30
+
+    async def test_a_batch_of_many_workflows(self, tmp_path: Path) -> None:
+        """1,200 checkpoints in one batch (past SQLite's bound-parameter limit) all land."""
+        async with SQLiteStore.open(tmp_path / "wf.db") as store:
+            for i in range(1200):
+                await store.create(WorkflowRow(f"w{i}", "Demo", "Resuming", "{}", "{}"))
+            release = threading.Event()
+            blocker = asyncio.ensure_future(
+                store._writes.call(lambda conn: release.wait(CEILING_S))
+            )
+            await asyncio.sleep(0)
+            saves = [
+                asyncio.ensure_future(
+                    store.checkpoint(
+                        f"w{i}", status="Waiting", data="{}", state="{}", history=[("step", {})]
+                    )
+                )
+                for i in range(1200)
+            ]
+            await asyncio.sleep(0)
+            commits = store.stats.commits
+            release.set()
+            await blocker
+            await asyncio.gather(*saves)
+            assert store.stats.commits == commits + 1
+            assert await store.counts() == {"Waiting": 1200}
+            assert [h.kind for h in await store.history("w1199")] == ["step"]
