@@ -180,7 +180,13 @@ async def _run_sync(
     and logged as `step_abandoned`.
     """
     run.queued_since = time.time()
-    async with limiter:
+    try:
+        # A free slot is taken without a trip through the event loop (`async with` always
+        # makes one); only a full limiter is waited for.
+        limiter.acquire_nowait()
+    except anyio.WouldBlock:
+        await limiter.acquire()
+    try:
         run.queued_since, run.running_since = None, time.time()
         call = _Call(step.action, abandoned)
         try:
@@ -197,6 +203,8 @@ async def _run_sync(
             if call.abandon():
                 _report(step, note, "cancelled", abandoned)
             raise
+    finally:
+        limiter.release()
 
 
 def _report(step: Step, note: Note, reason: str, abandoned: Abandoned) -> None:
