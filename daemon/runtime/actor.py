@@ -282,11 +282,13 @@ class Actor:
         # side effect must be durable at once; the rest is written when resume returns.
         if kind not in _DURABLE:
             return
-        # While steps are about to run (or run), the next one need not wait for this commit:
-        # nothing outside has seen its effect yet. Anything that tells the outside (a reply,
-        # an end, a wait's setup, a command) flushes first.
+        # The next step need not wait for this commit: nothing outside has seen its effect yet.
+        # Anything that tells the outside (a reply, an end, a command) flushes first. Only when
+        # no step is about to run and the workflow goes on may the engine set up waits (a
+        # child's start, a listener) right after this: then it is durable first. An end is
+        # written in the same commit as the save that settles it, if it is not under way yet.
         pool = self.pool
-        if pool is not None and pool.stepping and loaded.state.status not in FINAL_STATUSES:
+        if loaded.state.status in FINAL_STATUSES or (pool is not None and pool.stepping):
             await self._pipeline.put(self._take(loaded))
         else:
             await self._save(loaded)
