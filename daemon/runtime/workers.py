@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+#: How long a job must have run before its thread counts as blocked, and another is woken for
+#: the jobs queued behind it: twice the interpreter's GIL switch interval (5 ms), so that a
+#: thread that only waits for the GIL behind a busy loop does not count.
+BLOCKED_S = 0.01
 
 
 @dataclass(slots=True, eq=False)
@@ -54,20 +58,30 @@ class _Completions:
 
 
 class Workers:
-    """A pool of threads that run sync step actions, grown when every thread is busy.
+    """A pool of threads that run sync step actions: few awake, more only while steps block.
 
-    anyio.to_thread costs a thread hand-off and a loop wake-up per call; here a thread that
-    finishes a job takes the next one without sleeping, and finished jobs reach the loop in
-    batches. How many run at once is the caller's limiter's business (max_concurrent_steps);
-    a thread running an abandoned step stays busy until its action returns, and new jobs get
-    new threads meanwhile.
+    anyio.to_thread costs a thread hand-off and a loop wake-up per call, and a thread per job
+    in flight wakes as many threads (and as many GIL hand-offs) as there are jobs. Here jobs
+    wait in one queue; a thread that finishes a job takes the next without sleeping, and
+    finished jobs reach the loop in batches. Another thread is woken (or started) only when
+    nobody is awake to take a job, or when every awake thread has been on its job for
+    BLOCKED_S (it blocks: sleeps, waits for I/O); the loop checks that again every BLOCKED_S
+    while jobs wait. How many run at once is the caller's limiter's business
+    (max_concurrent_steps); a thread running an abandoned step is one that blocks.
     """
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._idle = 0  # threads waiting for a job, each one reserved by a queued job
+        self._jobs: deque[_Job] = deque()
+        #: Sleeping threads, each waiting on its own lock (released to wake it).
+        self._sleepers: list[threading.Lock] = []
         self._threads = 0
+        #: Threads not sleeping: running a job, or about to take one.
+        self._awake = 0
+        #: When each awake thread's current job began (time.monotonic()), by thread.
+        self._began: dict[int, float] = {}
+        self._closed = False
+        self._checking: set[asyncio.AbstractEventLoop] = set()
         self._completions: dict[asyncio.AbstractEventLoop, _Completions] = {}
 
     @property
@@ -87,40 +101,82 @@ class Workers:
             done = self._completions[loop] = _Completions(loop)
         job = _Job(fn, contextvars.copy_context(), loop.create_future(), done)
         with self._lock:
-            spawn = self._idle == 0
-            if spawn:
-                self._threads += 1
-            else:
-                self._idle -= 1
-        if spawn:
-            threading.Thread(
-                target=self._work, args=(job,), name="workflowd-step", daemon=True
-            ).start()
-        else:
-            self._jobs.put(job)
+            self._closed = False
+            self._jobs.append(job)
+            self._grow()
+            waiting = bool(self._jobs) and self._awake > 0
+        if waiting and loop not in self._checking:
+            self._checking.add(loop)
+            loop.call_later(BLOCKED_S, self._check, loop)
         result: T = await job.future
         return result
 
     def close(self) -> None:
         """Let every idle thread end; busy ones end after their job."""
         with self._lock:
-            idle, self._idle = self._idle, 0
-        for _ in range(idle):
-            self._jobs.put(None)
+            self._closed = True
+            sleepers, self._sleepers = self._sleepers, []
+            self._awake += len(sleepers)
+        for wake in sleepers:
+            wake.release()
 
-    def _work(self, job: _Job | None) -> None:
+    def _grow(self) -> None:
+        """Wake (or start) threads for the queued jobs nobody will take soon; holds the lock."""
+        now = time.monotonic()
+        if self._awake == 0:
+            wanted = 1
+        elif len(self._began) == self._awake and all(
+            now - began >= BLOCKED_S for began in self._began.values()
+        ):
+            wanted = len(self._jobs)
+        else:
+            return
+        for _ in range(min(wanted, len(self._jobs))):
+            self._awake += 1
+            if self._sleepers:
+                self._sleepers.pop().release()
+            else:
+                self._threads += 1
+                wake = threading.Lock()
+                wake.acquire()
+                threading.Thread(
+                    target=self._work, args=(wake,), name="workflowd-step", daemon=True
+                ).start()
+
+    def _check(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._lock:
+            self._grow()
+            waiting = bool(self._jobs)
+        if waiting and not loop.is_closed():
+            loop.call_later(BLOCKED_S, self._check, loop)
+        else:
+            self._checking.discard(loop)
+
+    def _work(self, wake: threading.Lock) -> None:
+        me = threading.get_ident()
         try:
-            while job is not None:
+            while True:
+                with self._lock:
+                    if not self._jobs:
+                        self._began.pop(me, None)
+                        if self._closed:
+                            self._awake -= 1
+                            return
+                        self._awake -= 1
+                        self._sleepers.append(wake)
+                        job = None
+                    else:
+                        job = self._jobs.popleft()
+                        self._began[me] = time.monotonic()
+                if job is None:
+                    wake.acquire()  # until a submit (or close) releases it
+                    continue
                 try:
                     value, ok = job.context.run(job.fn), True
                 except BaseException as e:  # noqa: BLE001 - handed to the awaiting step
                     value, ok = e, False
-                # Idle before the result is out: the step it wakes may queue the next job at once.
-                with self._lock:
-                    self._idle += 1
                 job.done.put(job.future, ok, value)
                 job = value = None  # drop references before blocking for the next one
-                job = self._jobs.get()
         finally:
             with self._lock:
                 self._threads -= 1
