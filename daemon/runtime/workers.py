@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import math
 import threading
 import time
 from collections import deque
@@ -19,11 +20,17 @@ BLOCKED_S = 0.01
 
 
 @dataclass(slots=True, eq=False)
-class _Job:
+class Job:
+    """A sync action queued for a worker thread; its result comes back through `future`."""
+
     fn: Callable[[], Any]
     context: contextvars.Context
     future: asyncio.Future[Any]
     done: _Completions
+    #: It holds one of the pool's slots: taken by a thread, neither finished nor given up.
+    holding: bool = False
+    #: Given up on (`Workers.forget`): no thread starts it, and it holds no slot.
+    gone: bool = False
 
 
 class _Completions:
@@ -65,19 +72,24 @@ class Workers:
     wait in one queue; a thread that finishes a job takes the next without sleeping, and
     finished jobs reach the loop in batches. Another thread is woken (or started) only when
     nobody is awake to take a job, or when every awake thread has been on its job for
-    BLOCKED_S (it blocks: sleeps, waits for I/O); the loop checks that again every BLOCKED_S
-    while jobs wait. How many run at once is the caller's limiter's business
-    (max_concurrent_steps); a thread running an abandoned step is one that blocks.
+    BLOCKED_S (it blocks: sleeps, waits for I/O), as many again as are awake; the loop checks
+    that again every BLOCKED_S while jobs wait. At most `slots` jobs (max_concurrent_steps) run at once; the rest wait in
+    the queue, so a burst of steps is handed over together, not in waves. A job given up on
+    (`forget`: its step ran past its timeout, or was cancelled) frees its slot at once, though
+    its thread runs on until the action returns.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._jobs: deque[_Job] = deque()
+        self._jobs: deque[Job] = deque()
         #: Sleeping threads, each waiting on its own lock (released to wake it).
         self._sleepers: list[threading.Lock] = []
         self._threads = 0
         #: Threads not sleeping: running a job, or about to take one.
         self._awake = 0
+        #: Jobs holding a slot, and how many may.
+        self._running = 0
+        self._slots: float = math.inf
         #: When each awake thread's current job began (time.monotonic()), by thread.
         self._began: dict[int, float] = {}
         self._closed = False
@@ -89,18 +101,21 @@ class Workers:
         """Return how many worker threads exist."""
         return self._threads
 
-    async def run(self, fn: Callable[[], T]) -> T:
-        """Run `fn` in a worker thread, in a copy of this context, and return what it returns.
+    def submit(self, fn: Callable[[], Any], slots: float | None = None) -> Job:
+        """Queue `fn` to run in a worker thread, in a copy of this context; await `job.future`.
 
-        Cancelling the caller stops waiting for it; the thread runs `fn` to its end.
+        `slots` caps the jobs that run at once (from now on, for every job). A caller that
+        stops waiting must `forget` the job.
         """
         loop = asyncio.get_running_loop()
         done = self._completions.get(loop)
         if done is None:
             self._completions = {lp: c for lp, c in self._completions.items() if not lp.is_closed()}
             done = self._completions[loop] = _Completions(loop)
-        job = _Job(fn, contextvars.copy_context(), loop.create_future(), done)
+        job = Job(fn, contextvars.copy_context(), loop.create_future(), done)
         with self._lock:
+            if slots is not None:
+                self._slots = max(1, slots)
             self._closed = False
             self._jobs.append(job)
             self._grow()
@@ -108,7 +123,29 @@ class Workers:
         if waiting and loop not in self._checking:
             self._checking.add(loop)
             loop.call_later(BLOCKED_S, self._check, loop)
-        result: T = await job.future
+        return job
+
+    def forget(self, job: Job) -> None:
+        """Stop waiting for a job: one not started never runs; a running one frees its slot."""
+        job.future.cancel()
+        with self._lock:
+            job.gone = True
+            if job.holding:
+                job.holding = False
+                self._running -= 1
+                self._grow()
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run `fn` in a worker thread and return what it returns (see `submit`).
+
+        Cancelling the caller stops waiting for it; the thread runs `fn` to its end.
+        """
+        job = self.submit(fn)
+        try:
+            result: T = await job.future
+        except BaseException:
+            self.forget(job)
+            raise
         return result
 
     def close(self) -> None:
@@ -122,16 +159,21 @@ class Workers:
 
     def _grow(self) -> None:
         """Wake (or start) threads for the queued jobs nobody will take soon; holds the lock."""
+        free = int(min(len(self._jobs), self._slots - self._running))
+        if free <= 0:
+            return
         now = time.monotonic()
         if self._awake == 0:
             wanted = 1
         elif len(self._began) == self._awake and all(
             now - began >= BLOCKED_S for began in self._began.values()
         ):
-            wanted = len(self._jobs)
+            # Doubling: steps that block get their threads within a few checks, and a thread
+            # that was only slow to get the GIL wakes one more, not every free slot's.
+            wanted = self._awake
         else:
             return
-        for _ in range(min(wanted, len(self._jobs))):
+        for _ in range(min(wanted, free)):
             self._awake += 1
             if self._sleepers:
                 self._sleepers.pop().release()
@@ -152,31 +194,46 @@ class Workers:
         else:
             self._checking.discard(loop)
 
+    def _take(self, me: int, finished: Job | None, wake: threading.Lock) -> Job | bool:
+        """Free the finished job's slot and take the next job; else sleep on `wake` (True) or end."""
+        with self._lock:
+            if finished is not None and finished.holding:
+                finished.holding = False
+                self._running -= 1
+            while self._jobs and self._running < self._slots:
+                job = self._jobs.popleft()
+                if job.gone:
+                    continue
+                job.holding = True
+                self._running += 1
+                self._began[me] = time.monotonic()
+                return job
+            self._began.pop(me, None)
+            self._awake -= 1
+            if self._closed:
+                return False
+            self._sleepers.append(wake)
+            return True
+
     def _work(self, wake: threading.Lock) -> None:
         me = threading.get_ident()
+        job: Job | None = None
         try:
             while True:
-                with self._lock:
-                    if not self._jobs:
-                        self._began.pop(me, None)
-                        if self._closed:
-                            self._awake -= 1
-                            return
-                        self._awake -= 1
-                        self._sleepers.append(wake)
-                        job = None
-                    else:
-                        job = self._jobs.popleft()
-                        self._began[me] = time.monotonic()
-                if job is None:
+                taken = self._take(me, job, wake)
+                if taken is False:
+                    return
+                if taken is True:
+                    job = None
                     wake.acquire()  # until a submit (or close) releases it
                     continue
+                job = taken
                 try:
                     value, ok = job.context.run(job.fn), True
                 except BaseException as e:  # noqa: BLE001 - handed to the awaiting step
                     value, ok = e, False
                 job.done.put(job.future, ok, value)
-                job = value = None  # drop references before blocking for the next one
+                value = None  # drop the reference before blocking for the next one
         finally:
             with self._lock:
                 self._threads -= 1
