@@ -28,7 +28,7 @@ pytestmark = pytest.mark.sqlite_only("reads and locks the database file")
 
 
 class Ticks:
-    """Sends `tick` 0, 1, 2, ... to a Ticker, each once it is acknowledged; notes when."""
+    """Sends `tick` 0, 1, 2, ... to a PipeTicker, each once it is acknowledged; notes when."""
 
     def __init__(self) -> None:
         #: Acknowledged inputs, with the time (monotonic) of their answer.
@@ -101,7 +101,7 @@ class TestKill:
         store = {"synchronous": "full"}
         async with running_daemon(tmp_path, MODULES, store=store) as d:
             async with d.client() as c:
-                await c.call("start", workflow="Ticker", workflow_id="t", input=input)
+                await c.call("start", workflow="PipeTicker", workflow_id="t", input=input)
                 async with anyio.create_task_group() as tg:
 
                     async def drive() -> None:
@@ -134,7 +134,7 @@ class TestFailingWrite:
         input = {"n": n, "every": 100, "log": str(log)}
         ticks = Ticks()
         async with running_daemon(tmp_path, MODULES) as d, d.client() as c:
-            await c.call("start", workflow="Ticker", workflow_id="t", input=input)
+            await c.call("start", workflow="PipeTicker", workflow_id="t", input=input)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(ticks.drive, c, "t")
                 await until(lambda: log.exists() and len(runs(log)) >= 300, limit_s=60)

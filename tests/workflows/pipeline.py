@@ -1,6 +1,6 @@
 """Workflows the pipeline tests run inside a real daemon: many sync steps with a wait now and then.
 
-`Ticker` runs `n` synchronous steps; each appends its index to the file `log` before it counts
+`PipeTicker` runs `n` synchronous steps; each appends its index to the file `log` before it counts
 it, so a test can tell which steps ran more than once. Every `every` steps it waits for a
 `tick` signal, whose input it keeps in `ticks`: a test can check that every acknowledged send
 was applied, once and in order, across a kill or a failing write.
@@ -15,7 +15,7 @@ from handlers import Signal
 
 
 @dataclass
-class Ticker(Workflow):
+class PipeTicker(Workflow):
     """Runs `n` sync steps, logging each one's index to `log`; waits for a tick every `every`."""
 
     n: int = 1000
