@@ -72,6 +72,8 @@ class Pipeline:
         self._task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
         self._lost: list[Save] = []
+        #: Resolved when the queued write goes in flight (or the pipeline ends or fails).
+        self._taken: asyncio.Future[None] | None = None
 
     @property
     def idle(self) -> bool:
@@ -79,7 +81,11 @@ class Pipeline:
         return self._task is None
 
     async def put(self, save: Save) -> None:
-        """Queue a checkpoint; wait only if the queued write already stands for `ahead` of them."""
+        """Queue a checkpoint; wait only if the queued write already stands for `ahead` of them.
+
+        Then it waits until that write goes in flight (the one before it is durable), so at
+        most `ahead` checkpoints wait behind the write in flight.
+        """
         if self._error is not None:
             raise self._error
         if self._queued is None:
@@ -89,7 +95,11 @@ class Pipeline:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._drain())
         elif self._queued.count >= self._ahead:
-            await self.flush()
+            if self._taken is None:
+                self._taken = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._taken)
+            if self._error is not None:
+                raise self._error
 
     async def flush(self) -> None:
         """Wait until every queued checkpoint is durable; raise the error of one that failed."""
@@ -115,6 +125,7 @@ class Pipeline:
         try:
             while self._queued is not None:
                 save, self._queued = self._queued, None
+                self._wake_taken()
                 try:
                     await self._write(save)
                 except BaseException as e:
@@ -129,3 +140,10 @@ class Pipeline:
                 self._on_durable(save)
         finally:
             self._task = None
+            self._wake_taken()
+
+    def _wake_taken(self) -> None:
+        if self._taken is not None:
+            if not self._taken.done():
+                self._taken.set_result(None)
+            self._taken = None
