@@ -50,9 +50,10 @@ class TestRuntimeBench:
             "bench_runtime",
             figures,
             {
-                f"{s}_{k}_{m}"
+                f"{s}_{k}{f}_{m}"
                 for s in shapes
                 for k in ("sync", "async")
+                for f in ("", "_full")
                 for m in ("steps_per_s", "cpu_per_step_us")
             },
         )

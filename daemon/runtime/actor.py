@@ -31,6 +31,7 @@ from daemon.errors import CallbackNotFound, HandlerRejected, Unavailable, Workfl
 from daemon.observe.metrics import Metrics
 from daemon.runtime.arming import Arms
 from daemon.runtime.cache import Cache, Loaded
+from daemon.runtime.pipeline import Pipeline, Save
 from daemon.runtime.pool import StepPool
 from daemon.runtime.settings import Settings
 from daemon.runtime.steps import StepRun
@@ -85,6 +86,11 @@ class Actor:
     _unsaved: list[Item] = field(default_factory=list)
     _io_failures: int = 0
     _workflow: str = ""
+    #: This workflow's checkpoint writes, in order; steps run on while one commits.
+    _pipeline: Pipeline = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._pipeline = Pipeline(self._write, on_durable=self._durable)
 
     @property
     def busy(self) -> bool:
@@ -129,6 +135,7 @@ class Actor:
                 try:
                     await self._loop(loaded)
                 finally:
+                    await self._pipeline.settle()
                     # Inbox-backed items stay in the store and are recovered on restart.
                     self._reject_all(Unavailable("workflowd is shutting down"))
 
@@ -209,9 +216,11 @@ class Actor:
         # Callers waiting for an answer get an error now rather than after the disk (or the
         # lock) comes back.
         self._reject_waiting(Unavailable(f"cannot save workflow state: {type(e).__name__}: {e}"))
-        # Inbox events taken since the last save are acknowledged but not applied: they go
-        # back to the front of the queue, in order, so none is stranded or overtaken.
-        self.items.extendleft(reversed(self._unsaved))
+        # The write in flight lands (or fails) before the durable state is read back.
+        await self._pipeline.settle()
+        # Inbox events taken since the last durable save are acknowledged but not applied:
+        # they go back to the front of the queue, in order, so none is stranded or overtaken.
+        self.items.extendleft(reversed([*self._pipeline.undurable(), *self._unsaved]))
         self._unsaved = []
         self.cache.forget(self.workflow_id)
         self._history.clear()
@@ -223,15 +232,16 @@ class Actor:
             await self.clock.sleep_until(deadline)
         self._scope, self._interruptible, self._takes_items = None, False, False
 
-    async def _save(self, loaded: Loaded) -> None:
+    def _take(self, loaded: Loaded) -> Save:
+        """Return the checkpoint of the workflow as it is now, with the history noted so far."""
         if loaded.state.status is WorkflowStatus.FINISHED:
             # A step retried on the way (its error kept until the resume ends) is over: a
             # Finished workflow carries no error, also if the daemon dies before _settle.
             loaded.attempt, loaded.error, loaded.next_run_at = 0, None, None
-        # Taken before the write: steps still running note their history meanwhile.
+        # Taken now: steps still running note their history meanwhile, for the next save.
         history, self._history = self._history, []
-        await self.store.checkpoint(
-            self.workflow_id,
+        items, self._unsaved = self._unsaved, []
+        return Save(
             status=loaded.state.status.value,
             data=loaded.wf.to_json(),
             state=loaded.state.to_json(),
@@ -239,16 +249,48 @@ class Actor:
             attempt=loaded.attempt,
             next_run_at=loaded.next_run_at,
             history=history,
-            inbox_done=[item.inbox_id for item in self._unsaved if item.inbox_id is not None],
+            items=items,
         )
-        self._unsaved = []
-        if loaded.state.status in FINAL_STATUSES:
+
+    async def _write(self, save: Save) -> None:
+        await self.store.checkpoint(
+            self.workflow_id,
+            status=save.status,
+            data=save.data,
+            state=save.state,
+            error=save.error,
+            attempt=save.attempt,
+            next_run_at=save.next_run_at,
+            history=save.history,
+            inbox_done=save.inbox_done,
+        )
+
+    def _durable(self, save: Save) -> None:
+        if WorkflowStatus(save.status) in FINAL_STATUSES:
             self.on_ended(self.workflow_id)
+
+    async def _save(self, loaded: Loaded) -> None:
+        """Save the workflow and return once it is durable, with every checkpoint before it."""
+        await self._pipeline.put(self._take(loaded))
+        await self._pipeline.flush()
+
+    async def _flush(self) -> None:
+        await self._pipeline.flush()
 
     async def _checkpoint(self, loaded: Loaded, kind: CheckpointType) -> None:
         # Resume transitions are a pure function of data and state, so only what follows a
         # side effect must be durable at once; the rest is written when resume returns.
-        if kind in _DURABLE:
+        if kind not in _DURABLE:
+            return
+        # The next step need not wait for this commit: nothing outside has seen its effect yet.
+        # Anything that tells the outside (a reply, an end, a command) flushes first. Only when
+        # no step is about to run and the workflow goes on may the engine set up waits (a
+        # child's start, a listener) right after this: then it is durable first. An end is
+        # written in the same commit as the save that settles it, if it is not under way yet.
+        pool = self.pool
+        if loaded.state.status in FINAL_STATUSES or (pool is not None and pool.stepping):
+            await self._pipeline.put(self._take(loaded))
+        else:
             await self._save(loaded)
 
     async def _advance(self, loaded: Loaded) -> None:
@@ -273,6 +315,7 @@ class Actor:
                     on_retry=on_retry,
                     attempts=attempts,
                     observe=self._observe_step,
+                    durable=self._flush,
                 ) as self.pool:
                     if self._stop:  # shutdown began while this resume was being set up
                         self.pool.stop()
@@ -350,6 +393,7 @@ class Actor:
     ) -> None:
         """Store that a thread's step failed and when it runs again; the others go on."""
         loaded.attempt, loaded.error = attempt, error
+        await self._pipeline.flush()  # after the checkpoints taken before it
         # The history noted so far goes first, so entries keep their order.
         history, self._history = [*self._history, ("step_failed", detail)], []
         await self.store.set_status(
@@ -368,6 +412,7 @@ class Actor:
         return self.settings.backoff(attempt, policy.initial_s, policy.max_s)
 
     async def _reload(self) -> Loaded:
+        await self._pipeline.flush()  # the durable state is the one read back
         return await self.cache.reload(self.workflow_id)
 
     async def _end(
@@ -399,6 +444,7 @@ class Actor:
         why = next((str(a["error"]) for a in asked if a.get("error") is not None), None)
         by = next((a["by"] for a in asked if a.get("by") is not None), None)
         try:
+            await self._pipeline.flush()  # the status answered is a durable one
             if loaded.state.status not in FINAL_STATUSES:
                 loaded = await self._reload()
                 await self._end(loaded, WorkflowStatus.CANCELLED, why, by)

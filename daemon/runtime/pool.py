@@ -13,6 +13,7 @@ import anyio.abc
 import structlog
 
 from daemon.clock import Clock
+from daemon.core.command import Run
 from daemon.core.engine import Done
 from daemon.core.merge import Fork
 from daemon.core.statements import NonRetryableError, Retry
@@ -46,9 +47,12 @@ class StepPool:
         on_retry: OnRetry,
         attempts: dict[str, int] | None = None,
         observe: Observe | None = None,
+        durable: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._limiter, self._clock, self._settings = limiter, clock, settings
         self._observe = observe
+        #: Returns once the workflow's checkpoints so far are durable (see `stepping`).
+        self._durable = durable
         self._note, self._on_retry = note, on_retry
         #: Failed attempts already made, by thread (from before a restart).
         self._failed_before = attempts or {}
@@ -91,6 +95,11 @@ class StepPool:
         """Tell whether every step in flight waits for its retry (none runs)."""
         return self._flight > 0 and not self.running and len(self._backing_off) == self._flight
 
+    @property
+    def stepping(self) -> bool:
+        """Tell whether steps are about to run or running (their checkpoints may pipeline)."""
+        return bool(self._pending) or self._flight > 0
+
     def stop(self) -> None:
         """Start no more steps, and end the retry waits (shutdown); running steps go on."""
         self._stopping = True
@@ -117,7 +126,9 @@ class StepPool:
         if self._pending and not self._done:
             if len(self._pending) == 1 and self._flight == 0:
                 thread_id, make_fork = self._pending.pop()
-                return [await self._attempts_of(thread_id, make_fork, alone=True)]
+                return await self._handed(
+                    [await self._attempts_of(thread_id, make_fork, alone=True)]
+                )
             assert self._tg is not None
             for thread_id, make_fork in self._pending:
                 self._tg.start_soon(self._run, thread_id, make_fork)
@@ -128,6 +139,13 @@ class StepPool:
         if self._error is not None:
             raise self._error
         done, self._done = self._done, []
+        return await self._handed(done)
+
+    async def _handed(self, done: list[Done]) -> list[Done]:
+        # A step not run (stopping) lets the engine set up waits next, which tell the outside:
+        # what ran before is made durable first.
+        if self._durable is not None and any(d.fork is None and d.failure is None for d in done):
+            await self._durable()
         return done
 
     def _report(self, done: Done) -> None:
@@ -163,6 +181,8 @@ class StepPool:
                 self._note(kind, {**detail, "thread": thread_id})
 
             try:
+                if isinstance(step, Run) and self._durable is not None:
+                    await self._durable()  # a command is seen outside: what led to it is saved
                 await run_step(step, limiter=self._limiter, note=note, run=run, data=f.copy)
                 f.finish()
                 outcome = "done"

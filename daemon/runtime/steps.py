@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import inspect
@@ -83,14 +84,21 @@ WORKERS = Workers()
 
 
 class _Call:
-    """A sync action run in a worker thread; tells whether it finished or was given up on."""
+    """A sync action run in a worker thread; tells whether it began, finished or was given up on."""
 
-    def __init__(self, action: Callable[[], object], counter: Abandoned) -> None:
-        self._action, self._counter = action, counter
+    def __init__(self, action: Callable[[], object], counter: Abandoned, run: StepRun) -> None:
+        self._action, self._counter, self._run = action, counter, run
         self._lock = threading.Lock()
         self._finished = self._abandoned = False
+        #: When a worker thread began it (time.monotonic()); its timeout counts from then.
+        self.began: float | None = None
 
     def __call__(self) -> object:
+        with self._lock:
+            if self._abandoned:  # given up on before a thread took it
+                return None
+            self.began = time.monotonic()
+        self._run.queued_since, self._run.running_since = None, time.time()
         try:
             return self._action()
         finally:
@@ -100,13 +108,15 @@ class _Call:
                     self._counter.ended()
 
     def abandon(self) -> bool:
-        """Give the thread up if it still runs; return whether it did."""
+        """Give the thread up if it still runs; return whether it did (False if not begun)."""
         with self._lock:
-            if self._finished:
+            began = self.began is not None
+            if self._finished or self._abandoned:
                 return False
             self._abandoned = True
-            self._counter.started()
-            return True
+            if began:
+                self._counter.started()
+            return began
 
 
 async def run_step(
@@ -171,32 +181,39 @@ async def _run_sync(
     abandoned: Abandoned,
     workers: Workers,
 ) -> object:
-    """Run a sync action in a worker thread, holding one slot of `limiter` while it runs.
+    """Run a sync action in a worker thread, in one of `limiter.total_tokens` slots.
 
-    A thread cannot be cancelled. So past the step's timeout, or on a cancel (shutdown,
-    `cancel`), the thread is abandoned instead of waited for: its slot goes to the next step
-    at once (a hung step must not starve every other workflow), its result is dropped, and
-    the step fails with TimeoutError (and is retried) or stops. It is counted (ABANDONED)
-    and logged as `step_abandoned`.
+    The workers hold the slots (see Workers): a step waits in their queue until a thread with
+    a free slot takes it, and its timeout counts from then. A thread cannot be cancelled. So
+    past the step's timeout, or on a cancel (shutdown, `cancel`), the thread is abandoned
+    instead of waited for: its slot goes to the next step at once (a hung step must not
+    starve every other workflow), its result is dropped, and the step fails with TimeoutError
+    (and is retried) or stops. It is counted (ABANDONED) and logged as `step_abandoned`.
     """
     run.queued_since = time.time()
-    async with limiter:
-        run.queued_since, run.running_since = None, time.time()
-        call = _Call(step.action, abandoned)
-        try:
-            with _deadline(step.timeout):
-                return await workers.run(call)
-        except TimeoutError:
-            if not call.abandon():
-                raise
-            _report(step, note, "timeout", abandoned)
-            raise TimeoutError(
-                f"ran over its timeout of {step.timeout:g} s; its thread was abandoned"
-            ) from None
-        except BaseException:
-            if call.abandon():
-                _report(step, note, "cancelled", abandoned)
-            raise
+    call = _Call(step.action, abandoned, run)
+    job = workers.submit(call, limiter.total_tokens)
+    future, timeout = job.future, step.timeout
+    try:
+        if not timeout:
+            return await future
+        while not future.done():
+            began = call.began
+            left = timeout if began is None else began + timeout - time.monotonic()
+            if left <= 0:
+                break
+            # asyncio.wait, not a cancel scope: a step still queued keeps its place.
+            await asyncio.wait([future], timeout=left)
+        if future.done() or not call.abandon():
+            return await future
+    except BaseException:
+        if call.abandon():
+            _report(step, note, "cancelled", abandoned)
+        workers.forget(job)
+        raise
+    workers.forget(job)
+    _report(step, note, "timeout", abandoned)
+    raise TimeoutError(f"ran over its timeout of {timeout:g} s; its thread was abandoned")
 
 
 def _report(step: Step, note: Note, reason: str, abandoned: Abandoned) -> None:

@@ -156,7 +156,7 @@ class _Batcher:
     """Hands records from the event loop to one writer thread, which renders and writes batches.
 
     Rendering and writing cost the loop nothing: it only queues the event dict and wakes the
-    writer once per loop turn. Records from outside a loop (worker threads, start-up, tests) and
+    writer once a batch has lingered _LINGER_S (or filled up). Records from outside a loop (worker threads, start-up, tests) and
     error records are written at once, after whatever is still queued, so nothing is reordered.
     """
 
@@ -171,14 +171,14 @@ class _Batcher:
         self._thread.start()
 
     def put(self, method: str, event_dict: EventDict) -> None:
-        """Queue one record; the writer takes it at the end of this loop turn."""
+        """Queue one record; the writer takes it within _LINGER_S."""
         self._queue.append((method, event_dict))
         loop = _running_loop()
         if loop is None or self._closed:
             self.flush()
         elif not self._kick_pending:
             self._kick_pending = True
-            loop.call_soon(self._kick)
+            loop.call_later(_LINGER_S, self._kick)
         elif len(self._queue) >= _BATCH and not self._wake.is_set():
             self._wake.set()
 
@@ -217,6 +217,10 @@ class _Batcher:
 
 #: Records rendered and written together at most; also wakes the writer early.
 _BATCH = 512
+#: How long the first record of a batch waits for others before the writer wakes: a workflow
+#: running steps one by one takes a loop turn per step, and a wake-up (and a write) per turn
+#: would cost more than the record itself.
+_LINGER_S = 0.002
 
 
 #: The event loop running on this thread, or None; no exception to catch, unlike

@@ -151,6 +151,9 @@ class TestSeeingAndStopping:
                     "start", workflow="GatedFan", workflow_id="g", input={"gate": str(gate)}
                 )
                 await self.all_slow_running(c)
+            # `running` lists a sync step still queued for a worker thread too: wait until
+            # each of the three has begun.
+            await until(lambda: sum(x.startswith("slow") for x in step_log(tmp_path)) == 3)
             await d.kill()
             await d.start()
             async with d.client() as c:

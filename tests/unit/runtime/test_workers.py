@@ -29,6 +29,18 @@ class TestWorkers:
             workers.close()
         await until(lambda: workers.threads == 0, limit_s=5)
 
+    async def test_jobs_that_do_not_block_share_a_thread(self) -> None:
+        """Many quick jobs in flight at once wake few threads, not one each."""
+        workers = Workers()
+        try:
+            async with anyio.create_task_group() as tg:
+                for _ in range(50):
+                    tg.start_soon(workers.run, lambda: None)
+            # One would do; a few more may wake where a job waited long for the GIL.
+            assert workers.threads <= 10
+        finally:
+            workers.close()
+
     async def test_grows_while_jobs_block(self) -> None:
         """Jobs that block at once each get a thread of their own, and all run together."""
         workers = Workers()

@@ -1,0 +1,149 @@
+"""One workflow's checkpoint writes in commit order: the next step runs while one commits."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from daemon.runtime.work import Item
+
+#: Checkpoints one queued write may stand for before the next one waits for a commit: with
+#: the write in flight, at most twice this many steps run again after a crash.
+AHEAD = 32
+
+
+@dataclass(slots=True, eq=False)
+class Save:
+    """A checkpoint's content, taken when it was asked for: what the store is to write."""
+
+    status: str
+    data: str
+    state: str
+    error: str | None
+    attempt: int
+    next_run_at: float | None
+    history: list[tuple[str, dict[str, Any]]]
+    #: The inbox events applied since the previous save (marked done by this one).
+    items: list[Item] = field(default_factory=list)
+    #: How many checkpoints this write stands for (later ones merge into a queued write).
+    count: int = 1
+
+    @property
+    def inbox_done(self) -> list[int]:
+        """Return the inbox rows this write drops."""
+        return [item.inbox_id for item in self.items if item.inbox_id is not None]
+
+    def merge(self, later: Save) -> None:
+        """Take a later checkpoint into this one: its content, and its history after ours."""
+        self.status, self.data, self.state = later.status, later.data, later.state
+        self.error, self.attempt, self.next_run_at = later.error, later.attempt, later.next_run_at
+        self.history += later.history
+        self.items += later.items
+        self.count += later.count
+
+
+class Pipeline:
+    """Writes an actor's checkpoints one at a time, in the order they were taken.
+
+    `put` queues a checkpoint and returns at once (a checkpoint taken while one is queued
+    merges into it), so the workflow's next step runs while the previous one commits;
+    `flush` waits until everything queued is durable. Whoever acknowledges anything (a reply,
+    an end, a child's start, a command) flushes first. The first write that fails ends the
+    pipeline: what was queued after it is dropped, `put` and `flush` raise that error, and
+    the actor goes back to the durable state (`undurable` hands back its inbox events).
+    """
+
+    def __init__(
+        self,
+        write: Callable[[Save], Awaitable[None]],
+        *,
+        on_durable: Callable[[Save], None] = lambda save: None,
+        ahead: int = AHEAD,
+    ) -> None:
+        self._write, self._on_durable, self._ahead = write, on_durable, ahead
+        self._queued: Save | None = None
+        # A bare task, not one of a task group's: it lives no longer than one write queue
+        # drained, and every path out of the actor waits for it (`settle`). Written to from
+        # outside the actor's cancel scopes, a commit under way is never cut off by a cancel.
+        self._task: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None
+        self._lost: list[Save] = []
+        #: Resolved when the queued write goes in flight (or the pipeline ends or fails).
+        self._taken: asyncio.Future[None] | None = None
+
+    @property
+    def idle(self) -> bool:
+        """Tell whether nothing is queued or being written."""
+        return self._task is None
+
+    async def put(self, save: Save) -> None:
+        """Queue a checkpoint; wait only if the queued write already stands for `ahead` of them.
+
+        Then it waits until that write goes in flight (the one before it is durable), so at
+        most `ahead` checkpoints wait behind the write in flight.
+        """
+        if self._error is not None:
+            raise self._error
+        if self._queued is None:
+            self._queued = save
+        else:
+            self._queued.merge(save)
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+        elif self._queued.count >= self._ahead:
+            if self._taken is None:
+                self._taken = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._taken)
+            if self._error is not None:
+                raise self._error
+
+    async def flush(self) -> None:
+        """Wait until every queued checkpoint is durable; raise the error of one that failed."""
+        while self._task is not None:
+            # Shielded: a cancelled caller stops waiting, the write goes on.
+            await asyncio.shield(self._task)
+        if self._error is not None:
+            raise self._error
+
+    async def settle(self) -> None:
+        """Wait for the write in flight, whatever its outcome (before reading the store back)."""
+        with anyio.CancelScope(shield=True):
+            while self._task is not None:
+                await asyncio.wait([self._task])
+
+    def undurable(self) -> list[Item]:
+        """Forget a failure and return the inbox events of the writes it lost, in order."""
+        lost = [*self._lost, *([self._queued] if self._queued is not None else [])]
+        self._lost, self._queued, self._error = [], None, None
+        return [item for save in lost for item in save.items]
+
+    async def _drain(self) -> None:
+        try:
+            while self._queued is not None:
+                save, self._queued = self._queued, None
+                self._wake_taken()
+                try:
+                    await self._write(save)
+                except BaseException as e:
+                    self._error = e
+                    self._lost.append(save)
+                    if self._queued is not None:
+                        self._lost.append(self._queued)
+                        self._queued = None
+                    if not isinstance(e, Exception):
+                        raise
+                    return
+                self._on_durable(save)
+        finally:
+            self._task = None
+            self._wake_taken()
+
+    def _wake_taken(self) -> None:
+        if self._taken is not None:
+            if not self._taken.done():
+                self._taken.set_result(None)
+            self._taken = None

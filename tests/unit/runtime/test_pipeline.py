@@ -1,0 +1,220 @@
+"""Tests for the checkpoint pipeline: order, merging, failure, and the actor that uses it."""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from daemon import For, S, Section, Step, Workflow
+from daemon.clock import FakeClock
+from daemon.runtime.pipeline import Pipeline, Save
+from daemon.runtime.runtime import Runtime
+from daemon.runtime.settings import Settings
+from daemon.runtime.work import Item
+from daemon.store.sqlite import SQLiteStore
+from tests.helpers.wait import eventually, until, wait_runtime_status
+
+
+def save(n: int, *items: Item) -> Save:
+    """Return a checkpoint whose data is `n`, with one history entry naming it."""
+    return Save(
+        status="Resuming",
+        data=str(n),
+        state="{}",
+        error=None,
+        attempt=0,
+        next_run_at=None,
+        history=[("step_done", {"n": n})],
+        items=list(items),
+    )
+
+
+class Writes:
+    """A store's writes: each waits for its gate (if any), may fail, and is recorded."""
+
+    def __init__(self) -> None:
+        self.written: list[tuple[str, int, list[int]]] = []
+        self.gates: dict[str, anyio.Event] = {}
+        self.fail: set[str] = set()
+        self.started: list[str] = []
+
+    async def __call__(self, s: Save) -> None:
+        self.started.append(s.data)
+        gate = self.gates.get(s.data)
+        if gate is not None:
+            await gate.wait()
+        if s.data in self.fail:
+            raise sqlite3.OperationalError("database is locked")
+        self.written.append((s.data, s.count, [detail["n"] for _, detail in s.history]))
+
+
+class TestPipeline:
+    """One write in flight; later checkpoints merge into one queued write."""
+
+    async def test_in_order_and_merged(self) -> None:
+        """Checkpoints taken while one commits become one write, with all their history."""
+        writes = Writes()
+        writes.gates["1"] = gate = anyio.Event()
+        durable: list[str] = []
+        p = Pipeline(writes, on_durable=lambda s: durable.append(s.data))
+        await p.put(save(1))
+        await until(lambda: writes.started == ["1"])
+        for n in (2, 3, 4):
+            await p.put(save(n))
+        assert not p.idle and writes.written == []
+        gate.set()
+        await p.flush()
+        assert writes.written == [("1", 1, [1]), ("4", 3, [2, 3, 4])]
+        assert durable == ["1", "4"] and p.idle
+
+    async def test_put_waits_when_far_ahead(self) -> None:
+        """A queued write that stands for `ahead` checkpoints makes the next put wait."""
+        writes = Writes()
+        writes.gates["1"] = gate = anyio.Event()
+        p = Pipeline(writes, ahead=3)
+        await p.put(save(1))
+        await until(lambda: writes.started == ["1"])
+        await p.put(save(2))
+        await p.put(save(3))
+        blocked = anyio.Event()
+
+        async def fourth() -> None:
+            await p.put(save(4))
+            blocked.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fourth)
+            await until(lambda: p._queued is not None and p._queued.count == 3)
+            assert not blocked.is_set()  # 2, 3 and 4 queued: 4 waits for the commits
+            gate.set()
+        assert [w for w, _, _ in writes.written] == ["1", "4"]
+
+    async def test_failure_drops_what_follows(self) -> None:
+        """A failed write loses those queued after it; put and flush raise; events come back."""
+        writes = Writes()
+        writes.gates["2"] = gate = anyio.Event()
+        writes.fail.add("2")
+        a, b, c = (Item(kind="callback", inbox_id=i) for i in (10, 11, 12))
+        p = Pipeline(writes)
+        await p.put(save(1, a))
+        await p.flush()
+        await p.put(save(2, b))
+        await until(lambda: writes.started == ["1", "2"])
+        await p.put(save(3, c))  # queued behind the failing write
+        gate.set()
+        with pytest.raises(sqlite3.OperationalError):
+            await p.flush()
+        with pytest.raises(sqlite3.OperationalError):
+            await p.put(save(4))
+        assert [w for w, _, _ in writes.written] == ["1"]
+        await p.settle()
+        assert p.undurable() == [b, c]
+        await p.put(save(5))  # a fresh start after the actor went back to the durable state
+        await p.flush()
+        assert [w for w, _, _ in writes.written] == ["1", "5"]
+
+
+#: Step indexes in the order they ran (one workflow per test).
+RAN: list[int] = []
+
+
+@dataclass
+class Steady(Workflow):
+    """Counts `i` up to `upto`, noting each step's index in RAN."""
+
+    upto: int = 10
+    i: int = 0
+    seen: list[int] = field(default_factory=list)
+
+    def inc(self) -> None:
+        RAN.append(self.i)
+        self.i += 1
+
+    def definition(self) -> Section:
+        return S(For("loop", self.i < self.upto, Step("inc", self.inc)))
+
+
+class GatedStore:
+    """Wraps a store's `checkpoint`: the first write of `i >= at` waits for a gate, may fail."""
+
+    def __init__(self, store: SQLiteStore, at: int) -> None:
+        self.store, self.at = store, at
+        self.gate = anyio.Event()
+        self.fail_once = False
+        self.waiting = False
+        #: ("durable" or "failed", status, i) per write, ("ended",) per end notification.
+        self.events: list[tuple[Any, ...]] = []
+        self._checkpoint = store.checkpoint
+        store.checkpoint = self.checkpoint  # type: ignore[method-assign]
+
+    async def checkpoint(self, workflow_id: str, **fields: Any) -> None:
+        i = int(fields["data"].split('"i":')[1].split(",")[0].split("}")[0])
+        if i >= self.at and not self.gate.is_set():
+            self.waiting = True
+            await self.gate.wait()
+            if self.fail_once:
+                self.fail_once = False
+                self.events.append(("failed", fields["status"], i))
+                raise sqlite3.OperationalError("database is locked")
+        await self._checkpoint(workflow_id, **fields)
+        self.events.append(("durable", fields["status"], i))
+
+
+class TestActorPipeline:
+    """An actor runs the next step while its checkpoint commits, and acknowledges on durability."""
+
+    async def test_next_steps_run_while_a_checkpoint_commits(self, tmp_path: Path) -> None:
+        """With the write of step 3 held, later steps run; the end waits for it."""
+        RAN.clear()
+        async with SQLiteStore.open(tmp_path / "wf.db") as store:
+            gated = GatedStore(store, at=3)
+            async with Runtime.open(store, {"Steady": Steady}, Settings()) as rt:
+                rt.on_ended = lambda: gated.events.append(("ended",))
+                await rt.start("Steady", "s", {"upto": 10})
+                await until(lambda: gated.waiting and len(RAN) == 10)
+                row = await store.get("s")
+                assert row is not None and row.status != "Finished"
+                assert ("ended",) not in gated.events
+                gated.gate.set()
+                await wait_runtime_status(rt, "s", "Finished")
+        assert list(range(10)) == RAN  # each once: nothing was lost
+        ends = [n for n, e in enumerate(gated.events) if e == ("ended",)]
+        finished = [n for n, e in enumerate(gated.events) if e[:2] == ("durable", "Finished")]
+        assert ends and finished and finished[0] < ends[0]
+
+    async def test_a_failed_write_goes_back_to_the_durable_state(self, tmp_path: Path) -> None:
+        """Steps run past a write that then fails are dropped and run again; no early end."""
+        RAN.clear()
+        clock = FakeClock()
+        async with SQLiteStore.open(tmp_path / "wf.db") as store:
+            gated = GatedStore(store, at=3)
+            gated.fail_once = True
+            async with Runtime.open(store, {"Steady": Steady}, Settings(), clock=clock) as rt:
+                rt.on_ended = lambda: gated.events.append(("ended",))
+                await rt.start("Steady", "s", {"upto": 10})
+                await until(lambda: gated.waiting and len(RAN) == 10)
+                gated.gate.set()
+
+                async def finished() -> bool:
+                    clock.advance(5)  # past the back-off
+                    row = await store.get("s")
+                    return row is not None and row.status == "Finished"
+
+                await eventually(finished)
+                shown = await wait_runtime_status(rt, "s", "Finished")
+        assert shown["data"]["i"] == 10
+        # The steps durable before the failing write never run again; the rest run twice.
+        failed = gated.events.index(next(e for e in gated.events if e[0] == "failed"))
+        before = gated.events[:failed]
+        assert all(e[0] == "durable" for e in before)
+        durable_i = before[-1][2] if before else 0  # else: as the workflow was created
+        assert 0 <= durable_i < 3
+        assert [*range(10), *range(durable_i, 10)] == RAN
+        ends = [n for n, e in enumerate(gated.events) if e == ("ended",)]
+        finished_at = [n for n, e in enumerate(gated.events) if e[:2] == ("durable", "Finished")]
+        assert ends and finished_at and finished_at[0] < ends[0]

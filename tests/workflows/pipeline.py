@@ -1,0 +1,45 @@
+"""Workflows the pipeline tests run inside a real daemon: many sync steps with a wait now and then.
+
+`PipeTicker` runs `n` synchronous steps; each appends its index to the file `log` before it counts
+it, so a test can tell which steps ran more than once. Every `every` steps it waits for a
+`tick` signal, whose input it keeps in `ticks`: a test can check that every acknowledged send
+was applied, once and in order, across a kill or a failing write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from daemon import For, If, On, S, Section, Step, Wait, Workflow
+from handlers import Signal
+
+
+@dataclass
+class PipeTicker(Workflow):
+    """Runs `n` sync steps, logging each one's index to `log`; waits for a tick every `every`."""
+
+    n: int = 1000
+    every: int = 100
+    log: str = ""
+    i: int = 0
+    ticks: list[int] = field(default_factory=list)
+
+    def work(self) -> None:
+        with open(self.log, "a") as f:
+            f.write(f"{self.i}\n")
+        self.i += 1
+
+    def tick(self, value: int) -> int:
+        self.ticks.append(int(value))
+        return len(self.ticks)
+
+    def definition(self) -> Section:
+        due = self.i % self.every == 0 and 0 < self.i < self.n
+        return S(
+            For(
+                "steps",
+                self.i < self.n,
+                Step("work", self.work),
+                If(due, "due", Wait("ticked", On("tick", Signal(self.tick)))),
+            )
+        )
