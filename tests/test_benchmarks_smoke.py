@@ -74,6 +74,7 @@ class TestControlBench:
                 ("send_p99", "ms"),
                 ("callbacks", "per_s"),
                 ("daemon_cpu_per_callback", "us"),
+                ("client_cpu_per_callback", "us"),
             )
         }
         _check("bench_control", figures, metrics)
