@@ -98,6 +98,7 @@ async def run(tmp: Path, rounds: dict[int, int] | None = None, warmup: int = WAR
             cpu_us = (cpu_s(d.proc.pid) - cpu) / len(latencies) * 1e6
             client_us = (time.process_time() - mine) / len(latencies) * 1e6
             context = {"mode": "workflowd", "clients": clients, "sends_each": sends}
+            context["synchronous"] = "normal"  # bench_daemon's
             p50, p99 = (round(percentile(latencies, p) * 1000, 3) for p in (50, 99))
             target = TARGET_P50_MS_ONE_CLIENT if clients == 1 else None
             p99_target = TARGET_P99_MS_ONE_CLIENT if clients == 1 else None
