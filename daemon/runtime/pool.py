@@ -69,8 +69,9 @@ class StepPool:
         self._tasks = 0
 
     async def __aenter__(self) -> Self:
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
+        # The task group is entered when a step first needs a task of its own (`next`): most
+        # resumes run no step, or one alone, and an empty group still costs a loop turn on
+        # leaving it (anyio checkpoints there), once per callback.
         return self
 
     async def __aexit__(
@@ -79,7 +80,8 @@ class StepPool:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        assert self._tg is not None
+        if self._tg is None:
+            return None
         # Steps still in flight when the engine is done (a step failed for good, the workflow
         # finished or was cancelled) are not wanted any more. With no task started there is
         # nothing to stop, and a cancel costs a callback's advance ~15 µs (anyio names the
@@ -123,7 +125,9 @@ class StepPool:
             if len(self._pending) == 1 and self._flight == 0:
                 thread_id, make_fork = self._pending.pop()
                 return [await self._attempts_of(thread_id, make_fork, alone=True)]
-            assert self._tg is not None
+            if self._tg is None:
+                self._tg = anyio.create_task_group()
+                await self._tg.__aenter__()
             for thread_id, make_fork in self._pending:
                 self._tasks += 1
                 self._tg.start_soon(self._run, thread_id, make_fork)
