@@ -9,6 +9,7 @@ import pytest
 
 from tests.benchmarks import (
     bench_control,
+    bench_dbos,
     bench_fanout,
     bench_log,
     bench_metrics,
@@ -74,6 +75,7 @@ class TestControlBench:
                 ("send_p99", "ms"),
                 ("callbacks", "per_s"),
                 ("daemon_cpu_per_callback", "us"),
+                ("client_cpu_per_callback", "us"),
             )
         }
         _check("bench_control", figures, metrics)
@@ -179,3 +181,46 @@ class TestPostgresBench:
             figures,
             {"daemons_1_steps_per_s", "daemons_2_steps_per_s", "takeover_after_sigkill_s"},
         )
+
+
+class TestDbosBench:
+    """bench_dbos at a tiny size: DBOS side by side, or null figures with a note."""
+
+    SHAPES = {"many_workflows": (3, 2), "one_workflow": (1, 5)}  # noqa: RUF012
+
+    def _metrics(self) -> set[str]:
+        ours = {
+            f"workflowd_{s}_{sync}_{m}"
+            for s in self.SHAPES
+            for sync in ("full", "normal")
+            for m in ("steps_per_s", "cpu_per_step_us")
+        }
+        return ours | {f"ratio_{s}_{sync}" for s in self.SHAPES for sync in ("full", "normal")}
+
+    async def test_without_dbos(self, tmp_path: Path) -> None:
+        """No DBOS to run: its figures and the ratios are null with a note; ours still come out."""
+        figures = await bench_dbos.run(
+            tmp_path, shapes=self.SHAPES, repeats=1, venv=tmp_path / "none", install=False
+        )
+        rows = normalize("bench_dbos", figures)
+        dbos = {f"dbos_{s}_steps_per_s" for s in self.SHAPES}
+        assert {r["metric"] for r in rows} == self._metrics() | dbos
+        for row in rows:
+            if row["metric"] in dbos or row["metric"].startswith("ratio_"):
+                assert row["value"] is None and "not installed" in row["note"], row
+            else:
+                assert isinstance(row["value"], int | float) and row["value"] >= 0, row
+        targets = {r["metric"]: r["target"] for r in rows if r["metric"].startswith("ratio_")}
+        assert targets["ratio_many_workflows_full"] == 60.0
+        assert targets["ratio_one_workflow_full"] == 9.0
+
+    async def test_with_cached_dbos(self, tmp_path: Path) -> None:
+        """With DBOS's virtualenv already cached, every figure is a number, ratios included."""
+        venv = bench_dbos.cache_dir() / "dbos-3.4"
+        if not (venv / "bin" / "python").exists():
+            pytest.skip(f"no cached DBOS virtualenv in {venv} (run the benchmark once)")
+        figures = await bench_dbos.run(
+            tmp_path, shapes=self.SHAPES, repeats=1, venv=venv, install=False
+        )
+        dbos = {f"dbos_{s}_{m}" for s in self.SHAPES for m in ("steps_per_s", "cpu_per_step_us")}
+        _check("bench_dbos", figures, self._metrics() | dbos)

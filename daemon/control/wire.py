@@ -32,6 +32,9 @@ class Wire(asyncio.Protocol):
         self._paused = False
         self._readable: asyncio.Future[bool] | None = None
         self._flushed: asyncio.Future[bool] | None = None
+        #: When the current wait for bytes gives up, and the one timer that enforces it.
+        self._read_deadline = 0.0
+        self._idle_timer: asyncio.TimerHandle | None = None
 
     @classmethod
     async def adopt(cls, sock: socket.socket) -> Wire:
@@ -65,6 +68,9 @@ class Wire(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         """Wake whoever waits to read or write."""
         self.lost = True
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         for waiter in (self._readable, self._flushed):
             if waiter is not None:
                 _settle(waiter, True)
@@ -105,13 +111,30 @@ class Wire(asyncio.Protocol):
         """Wait up to `idle_s` seconds for more bytes, EOF or loss; False if none came."""
         future: asyncio.Future[bool] = self.loop.create_future()
         self._readable = future
-        # A plain timer: a cancel scope per wait would cost more than the read itself.
-        timer = self.loop.call_later(idle_s, _settle, future, False)
+        self._read_deadline = deadline = self.loop.time() + idle_s
+        # One timer outlives the waits: each request would otherwise make and cancel a timer
+        # (and leave it in the loop's heap) only for the deadline to move on. A timer due
+        # before the new deadline is re-armed when it fires; only an earlier one is made now.
+        timer = self._idle_timer
+        if timer is None or timer.when() > deadline:
+            if timer is not None:
+                timer.cancel()
+            self._idle_timer = self.loop.call_at(deadline, self._idle_due)
         try:
             return await future
         finally:
-            timer.cancel()
             self._readable = None
+
+    def _idle_due(self) -> None:
+        """Give up the current wait for bytes if its deadline is here; else wait on for it."""
+        timer, self._idle_timer = self._idle_timer, None
+        waiter = self._readable
+        if waiter is None or timer is None:
+            return  # nobody waits: the next wait arms a timer of its own
+        if self._read_deadline > timer.when():
+            self._idle_timer = self.loop.call_at(self._read_deadline, self._idle_due)
+        else:
+            _settle(waiter, False)
 
     async def drain_line(self, max_bytes: int, limit_s: float) -> None:
         """Read and drop bytes up to the end of the line, EOF, `max_bytes` or `limit_s`."""
@@ -159,6 +182,9 @@ class Wire(asyncio.Protocol):
 
     def close(self) -> None:
         """Close the connection, dropping what a peer that stopped reading never took."""
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         if self.transport.get_write_buffer_size():
             self.transport.abort()  # close() would wait for that peer to read, maybe forever
         else:

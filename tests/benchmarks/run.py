@@ -33,6 +33,7 @@ BENCHMARKS: list[str] = [
     "bench_log",
     "bench_metrics",
     "bench_fanout",
+    "bench_dbos",
 ]
 
 KEYS = ("bench", "metric", "value", "unit", "target")

@@ -221,6 +221,25 @@ class TestFraming:
         ):
             assert await c.closed()
 
+    async def test_idle_timeout_counts_from_the_last_request(
+        self, backend: MemoryBackend, short_tmp: Path
+    ) -> None:
+        """A busy connection stays open past the idle timeout, and closes once it goes quiet."""
+        idle = 0.3
+        async with (
+            serving(backend, short_tmp / "s", idle_timeout=idle),
+            connect(short_tmp / "s") as c,
+        ):
+            began = anyio.current_time()
+            while True:
+                assert (await c.call("ping"))["ok"] is True
+                quiet_since = anyio.current_time()
+                if quiet_since - began > 3 * idle:
+                    break
+                await anyio.sleep(idle / 6)  # the pace under test: well within the timeout
+            assert await c.closed()
+            assert anyio.current_time() - quiet_since >= idle * 0.9
+
     async def test_connection_limit(self, backend: MemoryBackend, short_tmp: Path) -> None:
         """Connections over max_connections get `unavailable`; a slot frees up on close."""
         async with serving(backend, short_tmp / "s", max_connections=1):
