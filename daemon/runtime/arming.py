@@ -103,17 +103,28 @@ class Arms:
         deadline_of = getattr(handler, "deadline", None)
         listen = getattr(handler, "listen", None)
         if deadline_of is not None:
-            deadline = float(deadline_of(req))
-            self._timers[key] = deadline
-            heapq.heappush(self._heap, (deadline, next(self._seq), key))
-            if self._sleep is not None and deadline < self._sleeping_until:
-                self._sleep.cancel()
-        elif listen is not None:
+            self.arm_timer(key, float(deadline_of(req)))
+            return
+        if listen is not None:
             scope = anyio.CancelScope()
             self._listeners[key] = scope
             self._tg.start_soon(self._listen, key, req, listen, scope)
         else:
             return
+        self._by_workflow.setdefault(key[0], set()).add(key)
+
+    def arm_timer(self, key: Key, deadline: float) -> None:
+        """Arm a timer due at `deadline` (epoch seconds); one armed already stays as it is.
+
+        Recovery arms a sleeping workflow's timers this way, from their stored deadlines,
+        without building its definition.
+        """
+        if key in self._timers:
+            return
+        self._timers[key] = deadline
+        heapq.heappush(self._heap, (deadline, next(self._seq), key))
+        if self._sleep is not None and deadline < self._sleeping_until:
+            self._sleep.cancel()
         self._by_workflow.setdefault(key[0], set()).add(key)
 
     def disarm(self, key: Key) -> None:

@@ -3,13 +3,23 @@
 The same check as a reload's (daemon.core.compat): a workflow that does not fit the code, or
 whose row does not decode, is held with the reason rather than run into a failure, until a
 reload, a restart or a repair makes it fit.
+
+A store of many sleeping workflows starts fast: past the first CHECKED_AT_START, a workflow
+that sleeps on timers and signals only is recovered lean, its timers armed from the deadlines
+in its stored state (read by a small decoder) without loading its data or building its
+definition. `check_rest` checks those against the code right after READY, a slice at a time;
+one loaded before (its timer fires, an event comes) is checked at that load, before it runs.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
+import anyio
+import anyio.lowlevel
+import msgspec
 import structlog
 
 from daemon.core.compat import misfit
@@ -17,12 +27,51 @@ from daemon.core.handler import CallbackRequest
 from daemon.core.state import FINAL_STATUSES, EventStatus, WorkflowStatus
 from daemon.errors import WorkflowdError
 from daemon.runtime.arming import Arms
-from daemon.runtime.cache import Cache
+from daemon.runtime.cache import Cache, Loaded
 from daemon.runtime.scheduler import Scheduler
 from daemon.runtime.work import Item
-from daemon.store.base import Store, WorkflowRow
+from daemon.store.base import Sleepers, Store, WorkflowRow
 
 log = structlog.get_logger()
+
+#: Handler types a sleeping workflow may wait on and still be recovered lean: a timer (armed
+#: from the deadline its setup stored) and a signal (nothing to arm).
+LEAN_TYPES = frozenset({"timer", "signal"})
+#: How many sleeping workflows are checked in full before READY; the rest are recovered lean.
+CHECKED_AT_START = 10_000
+#: Workflows checked between two yields to the event loop in `check_rest` (~1-2 ms).
+CHECK_SLICE = 64
+_SETUP = EventStatus.SETUP.value
+
+
+# What lean recovery reads of a stored State (daemon.core.state); msgspec skips the rest.
+class _Req(msgspec.Struct):
+    name: str
+    pc: int
+    setup_data: str = ""
+
+
+class _Event(msgspec.Struct):
+    type: str
+    req: _Req
+    status: str
+
+
+class _Thread(msgspec.Struct):
+    id: str
+    wait_events: list[_Event] = []
+
+
+class _Waits(msgspec.Struct):
+    threads: list[_Thread] = []
+
+
+class _Deadline(msgspec.Struct):
+    deadline: float
+
+
+_waits = msgspec.json.Decoder(_Waits)
+_deadline_of = msgspec.json.Decoder(_Deadline)
 
 
 class Recovery:
@@ -36,8 +85,13 @@ class Recovery:
         scheduler: Scheduler,
         arms: Arms,
         deadline: Callable[[str, float], None] = lambda workflow_id, at: None,
+        sleepers: Sleepers | None = None,
     ) -> None:
         self._store, self._cache, self._scheduler, self._arms = store, cache, scheduler, arms
+        #: The store's reads of Waiting workflows apart, if it has them.
+        self._sleepers = sleepers
+        #: How many sleeping workflows are checked in full before READY (tests lower it).
+        self.checked_at_start = CHECKED_AT_START
         #: Arms a workflow's deadline (`timeout_s`), which holds even while it is held.
         self._deadline = deadline
 
@@ -49,9 +103,23 @@ class Recovery:
         counts = dict.fromkeys(("resumed", "armed", "broken", "incompatible", "held"), 0)
         pending = await self._store.inbox_pending()
         unseen = {p.workflow_id for p in pending}
-        async for row in self._store.unfinished():
-            unseen.discard(row.id)
-            counts[await self.recover_one(row)] += 1
+        if self._sleepers is None or self._scheduler.hold.held:
+            async for row in self._store.unfinished():
+                unseen.discard(row.id)
+                counts[await self.recover_one(row)] += 1
+        else:
+            async for row in self._sleepers.awake():
+                unseen.discard(row.id)
+                counts[await self.recover_one(row)] += 1
+            checked = 0
+            async for page in self._sleepers.sleeping():
+                for row in page:
+                    unseen.discard(row.id)
+                    if checked >= self.checked_at_start and self._arm_lean(row):
+                        counts["armed"] += 1
+                        continue
+                    checked += 1
+                    counts[await self.recover_one(row)] += 1
         # Ids that are not unfinished: ended ones reject their events; missing ones cannot.
         gone = {wid for wid in unseen if await self._store.get(wid) is None}
         dropped: list[int] = []
@@ -75,7 +143,103 @@ class Recovery:
             )
         if dropped:
             await self._store.inbox_done(dropped)
-        log.info("recovered", **counts)
+        log.info("recovered", **counts, unchecked=len(self._cache.unchecked))
+
+    def _arm_lean(self, row: WorkflowRow) -> bool:
+        """Arm a sleeping workflow's timers from its stored state alone; False if it needs more.
+
+        More: its type is not registered, it is loaded already, a wait is not set up, waits on
+        a handler with a task or state of its own, or holds setup data that does not decode.
+        """
+        wid = row.id
+        if row.name not in self._cache.registry or self._cache.get(wid) is not None:
+            return False
+        try:
+            waits = _waits.decode(row.state)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return False
+        timers = []
+        for t in waits.threads:
+            if not t.wait_events:
+                return False  # it waits on a condition (or nothing): the full check decides
+            for ev in t.wait_events:
+                if ev.status != _SETUP or ev.type not in LEAN_TYPES:
+                    return False
+                if ev.type == "timer":
+                    try:
+                        due = _deadline_of.decode(ev.req.setup_data).deadline
+                    except (msgspec.DecodeError, msgspec.ValidationError):
+                        return False
+                    timers.append((t.id, ev.req.name, ev.req.pc, due))
+        if not waits.threads:
+            return False
+        if row.deadline is not None:
+            self._deadline(wid, row.deadline)
+        self._cache.unchecked.add(wid)
+        for thread_id, event, pc, due in timers:
+            # Interned: a million sleepers share a handful of thread and event names.
+            self._arms.arm_timer((wid, sys.intern(thread_id), sys.intern(event), pc), due)
+        return True
+
+    async def check_rest(self) -> None:
+        """Check the workflows recovered lean against the code, a slice at a time.
+
+        It runs once, right after READY; an I/O error is logged and the pass goes on later
+        (each one left is still checked when it is first loaded).
+        """
+        if self._sleepers is None or not self._cache.unchecked:
+            return
+        counts = dict.fromkeys(("checked", "broken", "incompatible"), 0)
+        delay = 1.0
+        while self._cache.unchecked:
+            try:
+                async for page in self._sleepers.sleeping():
+                    for i, row in enumerate(page):
+                        if i % CHECK_SLICE == 0:
+                            await anyio.lowlevel.checkpoint()  # let requests in
+                        if row.id not in self._cache.unchecked:
+                            continue
+                        self._cache.unchecked.discard(row.id)
+                        counts["checked"] += 1
+                        outcome = self._check(row)
+                        if outcome is not None:
+                            counts[outcome] += 1
+                            self._scheduler.park_queued(row.id)
+                # Left: they are no longer Waiting (woken, ended), so they were checked then.
+                self._cache.unchecked.clear()
+            except Exception as e:  # noqa: BLE001 - e.g. an I/O error: each is checked at load
+                log.error("recovery_check_failed", error=f"{type(e).__name__}: {e}")
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 60.0)
+        log.info("recovery_checked", **counts)
+
+    def _check(self, row: WorkflowRow) -> str | None:
+        """Hold a workflow that does not decode or fit the code; say which, or None if it fits."""
+        try:
+            loaded = self._cache.decode(row)
+        except WorkflowdError as e:
+            self._hold_unfit(row, str(e))
+            log.error("workflow_corrupt", workflow_id=row.id, workflow=row.name, error=str(e))
+            return "broken"
+        reason = misfit(self._cache.registry, row.name, row.data, loaded.state)
+        if reason is None:
+            return None
+        self._hold_unfit(row, reason)
+        log.error("workflow_incompatible", workflow_id=row.id, workflow=row.name, reason=reason)
+        return "incompatible"
+
+    def vet(self, row: WorkflowRow, loaded: Loaded) -> bool:
+        """Check a workflow recovered lean against the code at its first load; False if held.
+
+        What was queued for it is parked then (a cancel stays), as for any held workflow.
+        """
+        reason = misfit(self._cache.registry, row.name, row.data, loaded.state)
+        if reason is None:
+            return True
+        self._hold_unfit(row, reason)
+        log.error("workflow_incompatible", workflow_id=row.id, workflow=row.name, reason=reason)
+        self._scheduler.park_queued(row.id)
+        return False
 
     async def recover_one(self, row: WorkflowRow) -> str:
         """Resume or re-arm one unfinished workflow that fits the code; return what was done.
@@ -84,6 +248,7 @@ class Recovery:
         the code) or "broken" (its row does not decode, or its waits cannot be armed).
         """
         hold = self._scheduler.hold
+        self._cache.unchecked.discard(row.id)  # checked here
         if row.deadline is not None:
             self._deadline(row.id, row.deadline)
         try:
@@ -98,6 +263,8 @@ class Recovery:
             log.error("workflow_incompatible", workflow_id=row.id, workflow=row.name, reason=reason)
             return "incompatible"
         if hold.incompatible.pop(row.id, None) is not None:
+            # A copy an actor loaded meanwhile (to find it held) holds the old class.
+            self._cache.forget(row.id)
             log.info("workflow_fits", workflow_id=row.id, workflow=row.name)
         if hold.holds(row.id):
             return "held"

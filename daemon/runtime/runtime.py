@@ -36,7 +36,7 @@ from daemon.runtime.recovery import Recovery
 from daemon.runtime.scheduler import Hold, Scheduler
 from daemon.runtime.settings import Settings
 from daemon.runtime.work import Item, Reply
-from daemon.store.base import History, Position, Store, WorkflowRow
+from daemon.store.base import History, Position, Sleepers, Store, WorkflowRow
 
 #: Workflows summarized between two checkpoints of `page` (~2 ms of the event loop).
 SUMMARY_SLICE = 100
@@ -111,7 +111,9 @@ class Runtime:
             scheduler=self.scheduler,
             arms=self.arms,
             deadline=self.deadlines.add,
+            sleepers=store if isinstance(store, Sleepers) else None,
         )
+        self.cache.vet = self.recovery.vet
         self.endings = Endings(
             store=store,
             running=self._running,
@@ -176,6 +178,7 @@ class Runtime:
             tg.start_soon(rt.deadlines.run)
             try:
                 await rt.recover()
+                tg.start_soon(rt.recovery.check_rest)
                 tg.start_soon(rt.janitor.run)
                 log_findings(registry)
                 yield rt

@@ -10,7 +10,7 @@ import builtins
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 #: Where a listing stopped: the last row's (updated_at, rowid).
 Position = tuple[float, int]
@@ -244,4 +244,17 @@ class Gauges(Protocol):
 
     async def inbox_depth(self) -> int:
         """Return how many acknowledged events are not yet applied."""
+        ...
+
+
+@runtime_checkable
+class Sleepers(Protocol):
+    """What a store may offer so that recovery reads its Waiting workflows apart."""
+
+    def sleeping(self, *, page: int = 5000) -> AsyncIterator[builtins.list[WorkflowRow]]:
+        """Yield every Waiting workflow, a page at a time, in id order."""
+        ...
+
+    def awake(self, *, page: int = 1000) -> AsyncIterator[WorkflowRow]:
+        """Yield every unfinished workflow that is not Waiting, a page at a time."""
         ...

@@ -495,3 +495,36 @@ class SQLiteStore:
         """Return how many acknowledged events are not yet applied."""
         ((n,),) = await self._read("SELECT COUNT(*) FROM inbox")
         return int(n)
+
+    # -- recovery of sleeping workflows (reads only) ----------------------------------------
+
+    async def sleeping(self, *, page: int = 5000) -> AsyncIterator[builtins.list[WorkflowRow]]:
+        """Yield every Waiting workflow, a page at a time, in id order."""
+        after = ""
+        while True:
+            # `+status`: walk the primary key in order; the status index would need a sort.
+            rows = await self._read(
+                f"SELECT {schema.COLS} FROM workflows"
+                " WHERE id > ? AND +status = 'Waiting' ORDER BY id LIMIT ?",
+                (after, page),
+            )
+            if rows:
+                yield [WorkflowRow(*r) for r in rows]
+            if len(rows) < page:
+                return
+            after = rows[-1][0]
+
+    async def awake(self, *, page: int = 1000) -> AsyncIterator[WorkflowRow]:
+        """Yield every unfinished workflow that is not Waiting, a page at a time."""
+        after = ""
+        while True:
+            rows = await self._read(
+                f"SELECT {schema.COLS} FROM workflows WHERE id > ?"
+                " AND +status NOT IN (?, ?, ?, 'Waiting') ORDER BY id LIMIT ?",
+                (after, *FINAL, page),
+            )
+            for r in rows:
+                yield WorkflowRow(*r)
+            if len(rows) < page:
+                return
+            after = rows[-1][0]
