@@ -26,11 +26,11 @@ from daemon.core.compat import misfit
 from daemon.core.handler import CallbackRequest
 from daemon.core.state import FINAL_STATUSES, EventStatus, WorkflowStatus
 from daemon.errors import WorkflowdError
-from daemon.runtime.arming import Arms
+from daemon.runtime.arming import Arms, Key
 from daemon.runtime.cache import Cache, Loaded
 from daemon.runtime.scheduler import Scheduler
 from daemon.runtime.work import Item
-from daemon.store.base import Sleepers, Store, WorkflowRow
+from daemon.store.base import Sleepers, SleepingState, Store, WorkflowRow
 
 log = structlog.get_logger()
 
@@ -74,6 +74,35 @@ _waits = msgspec.json.Decoder(_Waits)
 _deadline_of = msgspec.json.Decoder(_Deadline)
 
 
+def _timers_of(wid: str, state: str) -> list[tuple[Key, float]] | None:
+    """Return a sleeping workflow's timers (key, deadline) from its state; None if it needs more.
+
+    More: a wait is not set up, a thread waits on a condition, a wait's handler has a task or
+    state of its own (not a timer or signal), or a timer's setup data does not decode.
+    """
+    try:
+        waits = _waits.decode(state)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if not waits.threads:
+        return None
+    timers = []
+    for t in waits.threads:
+        if not t.wait_events:
+            return None  # it waits on a condition (or nothing): the full check decides
+        for ev in t.wait_events:
+            if ev.status != _SETUP or ev.type not in LEAN_TYPES:
+                return None
+            if ev.type == "timer":
+                try:
+                    due = _deadline_of.decode(ev.req.setup_data).deadline
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    return None
+                # Interned: a million sleepers share a handful of thread and event names.
+                timers.append(((wid, sys.intern(t.id), sys.intern(ev.req.name), ev.req.pc), due))
+    return timers
+
+
 class Recovery:
     """Brings stored workflows into motion, or holds those that cannot run under this code."""
 
@@ -111,15 +140,13 @@ class Recovery:
             async for row in self._sleepers.awake():
                 unseen.discard(row.id)
                 counts[await self.recover_one(row)] += 1
-            checked = 0
-            async for page in self._sleepers.sleeping():
+            after = ""
+            async for page in self._sleepers.sleeping(limit=self.checked_at_start):
                 for row in page:
                     unseen.discard(row.id)
-                    if checked >= self.checked_at_start and self._arm_lean(row):
-                        counts["armed"] += 1
-                        continue
-                    checked += 1
                     counts[await self.recover_one(row)] += 1
+                after = page[-1].id
+            await self._recover_lean(after, counts, unseen)
         # Ids that are not unfinished: ended ones reject their events; missing ones cannot.
         gone = {wid for wid in unseen if await self._store.get(wid) is None}
         dropped: list[int] = []
@@ -145,41 +172,51 @@ class Recovery:
             await self._store.inbox_done(dropped)
         log.info("recovered", **counts, unchecked=len(self._cache.unchecked))
 
-    def _arm_lean(self, row: WorkflowRow) -> bool:
-        """Arm a sleeping workflow's timers from its stored state alone; False if it needs more.
+    async def _recover_lean(self, after: str, counts: dict[str, int], unseen: set[str]) -> None:
+        """Arm the timers of the Waiting workflows with an id over `after` from their states.
 
-        More: its type is not registered, it is loaded already, a wait is not set up, waits on
-        a handler with a task or state of its own, or holds setup data that does not decode.
+        The next page is read while this one is armed; one that needs more than its state
+        (see `_timers_of`) is recovered in full.
         """
-        wid = row.id
-        if row.name not in self._cache.registry or self._cache.get(wid) is not None:
-            return False
-        try:
-            waits = _waits.decode(row.state)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return False
-        timers = []
-        for t in waits.threads:
-            if not t.wait_events:
-                return False  # it waits on a condition (or nothing): the full check decides
-            for ev in t.wait_events:
-                if ev.status != _SETUP or ev.type not in LEAN_TYPES:
-                    return False
-                if ev.type == "timer":
-                    try:
-                        due = _deadline_of.decode(ev.req.setup_data).deadline
-                    except (msgspec.DecodeError, msgspec.ValidationError):
-                        return False
-                    timers.append((t.id, ev.req.name, ev.req.pc, due))
-        if not waits.threads:
-            return False
-        if row.deadline is not None:
-            self._deadline(wid, row.deadline)
-        self._cache.unchecked.add(wid)
-        for thread_id, event, pc, due in timers:
-            # Interned: a million sleepers share a handful of thread and event names.
-            self._arms.arm_timer((wid, sys.intern(thread_id), sys.intern(event), pc), due)
-        return True
+        assert self._sleepers is not None
+        sleepers = self._sleepers
+        send, receive = anyio.create_memory_object_stream[list[SleepingState]](1)
+
+        async def read() -> None:
+            async with send:
+                async for page in sleepers.sleeping_states(after=after):
+                    await send.send(page)
+
+        async with anyio.create_task_group() as tg, receive:
+            tg.start_soon(read)
+            async for page in receive:
+                rest = self._arm_page(page, unseen)
+                counts["armed"] += len(page) - len(rest)
+                for wid in rest:
+                    row = await self._store.get(wid)
+                    if row is not None and row.status not in FINAL_STATUSES:
+                        counts[await self.recover_one(row)] += 1
+
+    def _arm_page(self, page: list[SleepingState], unseen: set[str]) -> list[str]:
+        """Arm a page of sleeping workflows lean; return the ids that need a full recovery."""
+        registry, cached, unchecked = self._cache.registry, self._cache.get, self._cache.unchecked
+        timers: list[tuple[Key, float]] = []
+        rest = []
+        for wid, name, deadline, state in page:
+            if unseen:
+                unseen.discard(wid)
+            found = None
+            if name in registry and cached(wid) is None:
+                found = _timers_of(wid, state)
+            if found is None:
+                rest.append(wid)
+                continue
+            if deadline is not None:
+                self._deadline(wid, deadline)
+            unchecked.add(wid)
+            timers += found
+        self._arms.arm_timers(timers)
+        return rest
 
     async def check_rest(self) -> None:
         """Check the workflows recovered lean against the code, a slice at a time.

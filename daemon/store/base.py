@@ -247,12 +247,24 @@ class Gauges(Protocol):
         ...
 
 
+#: A Waiting workflow as lean recovery reads it: id, type, deadline (`timeout_s`), state (JSON).
+SleepingState = tuple[str, str, float | None, str]
+
+
 @runtime_checkable
 class Sleepers(Protocol):
     """What a store may offer so that recovery reads its Waiting workflows apart."""
 
-    def sleeping(self, *, page: int = 5000) -> AsyncIterator[builtins.list[WorkflowRow]]:
-        """Yield every Waiting workflow, a page at a time, in id order."""
+    def sleeping(
+        self, *, page: int = 5000, after: str = "", limit: int | None = None
+    ) -> AsyncIterator[builtins.list[WorkflowRow]]:
+        """Yield the Waiting workflows with an id over `after` (up to `limit`), in id order."""
+        ...
+
+    def sleeping_states(
+        self, *, page: int = 5000, after: str = ""
+    ) -> AsyncIterator[builtins.list[SleepingState]]:
+        """Yield id, type, deadline and state of each Waiting workflow with an id over `after`."""
         ...
 
     def awake(self, *, page: int = 1000) -> AsyncIterator[WorkflowRow]:
