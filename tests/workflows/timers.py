@@ -39,15 +39,30 @@ class Metronome(Workflow):
 
 @dataclass
 class Sleeper(Workflow):
-    """Sleeps until `at` (epoch seconds), then records when it woke and how often."""
+    """Sleeps until `at` (epoch seconds); counts its timer's fires in the timer's handler.
+
+    The count is saved with the callback, so a timer that fired twice for one wait shows
+    `rang == 2`; the step after it records when it ran (a step may run twice across a kill).
+    """
 
     at: float = 0.0
+    rang: int = 0
+    fired_at: float = 0.0
     woke_at: float = 0.0
-    woken: int = 0
+
+    def alarm(self) -> Timer:
+        timer = Timer(at=self.at)
+
+        async def handle(req: CallbackRequest, input: Any) -> Any:
+            self.rang += 1
+            self.fired_at = float(input["fired_at"])
+            return input
+
+        timer.handle = handle  # type: ignore[method-assign] # a per-instance wrapper
+        return timer
 
     def wake(self) -> None:
         self.woke_at = time.time()
-        self.woken += 1
 
     def definition(self) -> Section:
-        return S(Wait("nap", On("alarm", Timer(at=self.at))), Step("woke", self.wake))
+        return S(Wait("nap", On("alarm", self.alarm())), Step("woke", self.wake))
