@@ -20,7 +20,7 @@ import anyio
 from tests.helpers.client import connect
 from tests.helpers.harness import Daemon
 
-from .bench_workflows import Alarm
+from .bench_workflows import Alarm, Ticking
 from .common import bench_daemon, call_many, cpu_s, percentile, query, rss_mb, until_count
 
 LATENESS_TIMERS = 10_000
@@ -85,6 +85,39 @@ async def lateness(
         ),
         _figure(f"daemon_cpu_per_fired_timer{label}_us", round(cpu / n * 1e6), None, **context),
     ]
+
+
+REARM_WORKFLOWS = 1_000
+REARM_BEATS = 10
+
+
+async def rearm(
+    tmp: Path, n: int = REARM_WORKFLOWS, beats: int = REARM_BEATS
+) -> list[dict[str, Any]]:
+    """Run `n` workflows that each fire `beats` timers in a row (no step); return CPU per fire.
+
+    Each fire is a timer's callback and the re-arm of the next one, so this is what firing a
+    timer costs, apart from the steps a workflow runs after it.
+    """
+    async with bench_daemon(tmp) as d:
+        assert d.proc is not None
+        db = d.tmp / "wd.db"
+        starts = [
+            {"op": "start", "workflow": Ticking.name, "workflow_id": f"t{i:06d}",
+             "input": {"beats": beats, "every_s": 0.2}}
+            for i in range(n)
+        ]  # fmt: skip
+        await call_many(d.socket, starts, CONNECTIONS)
+        # Every first timer is armed (its start settled): the CPU from here on is all fires.
+        # (Once past its first fire a workflow may show Resuming, so this counts those too.)
+        armed = "SELECT COUNT(*) FROM workflows WHERE status = ? OR data ->> 'ticked' > 0"
+        await until_count(db, armed, ("Waiting",), n, limit_s=120, every_s=0.05)
+        cpu = cpu_s(d.proc.pid)
+        await until_count(db, _COUNT, ("Finished",), n, limit_s=300, every_s=0.05)
+        cpu = cpu_s(d.proc.pid) - cpu
+    fires = n * beats
+    ctx = {"workflows": n, "beats": beats, "how": "timer re-armed by its own callback, no step"}
+    return [_figure("daemon_cpu_per_rearmed_timer_us", round(cpu / fires * 1e6), 100.0, **ctx)]
 
 
 async def _start_bounded(d: Daemon, limit_s: float) -> float:
@@ -182,7 +215,7 @@ async def sleepers(tmp: Path, n: int) -> list[dict[str, Any]]:
         await anyio.to_thread.run_sync(_seed, db, wid, n)
         seed_s = time.perf_counter() - start
         ready_s = await _start_bounded(d, 900)
-        ready_mb = rss_mb(d.proc.pid)
+        ready_mb, ready_cpu_s = rss_mb(d.proc.pid), cpu_s(d.proc.pid)
         async with connect(d.socket) as c:
             ping = await c.call("ping")
         if ping["workflows"] != {"Waiting": n}:
@@ -190,6 +223,8 @@ async def sleepers(tmp: Path, n: int) -> list[dict[str, Any]]:
     ctx = {"workflows": n, "how": "seeded rows, then a start", "seed_s": round(seed_s, 1)}
     return [
         _figure("sleepers_ready_s", round(ready_s, 2), TARGET_SLEEPERS_READY_S, **ctx),
+        # The process's CPU until READY (all threads): steadier than the time on a busy box.
+        _figure("sleepers_ready_cpu_s", round(ready_cpu_s, 2), None, **ctx),
         _figure("sleepers_rss_mb", round(ready_mb, 1), TARGET_SLEEPERS_RSS_MB, **ctx),
     ]
 
@@ -207,7 +242,8 @@ async def run(
     # A moderate load (a tenth of the burst) shows lateness when the daemon keeps up.
     moderate = await lateness(tmp / "moderate", max(1, timers // 10), label="_moderate")
     burst = await lateness(tmp / "lateness", timers)
-    figures = [*moderate, *burst, *await memory(tmp / "memory", workflows)]
+    figures = [*moderate, *burst, *await rearm(tmp / "rearm")]
+    figures += await memory(tmp / "memory", workflows)
     if seeded:
         figures += await sleepers(tmp / "sleepers", seeded)
     return figures

@@ -81,7 +81,7 @@ async def test_sleepers_recovered_lean_fire_once_never_early_across_a_kill(
     Some fire, then the daemon is killed (SIGKILL) and restarted: each timer has fired once.
     """
     async with running_daemon(short_tmp, MODULES) as d, d.client() as c:
-        await c.call("start", workflow="Sleeper", workflow_id="template", input={"at": FAR})
+        await c.call("start", workflow="Dozer", workflow_id="template", input={"at": FAR})
         await wait_status(c, "template", "Waiting")
     due = time.time() + 3.0
     soon = [(f"s{i:02d}", due + i * 0.05) for i in range(40)]

@@ -38,7 +38,7 @@ class Metronome(Workflow):
 
 
 @dataclass
-class Sleeper(Workflow):
+class Dozer(Workflow):
     """Sleeps until `at` (epoch seconds); counts its timer's fires in the timer's handler.
 
     The count is saved with the callback, so a timer that fired twice for one wait shows
