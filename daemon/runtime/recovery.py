@@ -182,20 +182,25 @@ class Recovery:
         sleepers = self._sleepers
         send, receive = anyio.create_memory_object_stream[list[SleepingState]](1)
 
-        async def read() -> None:
+        async def read(start: str) -> None:
             async with send:
-                async for page in sleepers.sleeping_states(after=after):
+                async for page in sleepers.sleeping_states(after=start):
                     await send.send(page)
 
         async with anyio.create_task_group() as tg, receive:
-            tg.start_soon(read)
+            tg.start_soon(read, after)
             async for page in receive:
                 rest = self._arm_page(page, unseen)
                 counts["armed"] += len(page) - len(rest)
-                for wid in rest:
-                    row = await self._store.get(wid)
-                    if row is not None and row.status not in FINAL_STATUSES:
-                        counts[await self.recover_one(row)] += 1
+                if rest:
+                    # The page again, in full (one read, not one per row); a row that is no
+                    # longer Waiting was picked up by whatever changed it.
+                    want = set(rest)
+                    async for rows in sleepers.sleeping(after=after, limit=len(page)):
+                        for row in rows:
+                            if row.id in want:
+                                counts[await self.recover_one(row)] += 1
+                after = page[-1][0]
 
     def _arm_page(self, page: list[SleepingState], unseen: set[str]) -> list[str]:
         """Arm a page of sleeping workflows lean; return the ids that need a full recovery."""

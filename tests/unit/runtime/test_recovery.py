@@ -15,7 +15,7 @@ from daemon.runtime import recovery
 from daemon.runtime.runtime import Runtime
 from daemon.runtime.settings import Settings
 from daemon.store.sqlite import SQLiteStore
-from handlers import Signal, Timer
+from handlers import FileWatch, Signal, Timer
 from tests.helpers.wait import until, wait_runtime_status
 
 
@@ -72,7 +72,21 @@ class NapRenamed(Nap):
         return S(Wait("doze", On("ring", Timer(after=60))), Step("woke", self.wake))
 
 
-NAPS: dict[str, type[Workflow]] = {"Nap": Nap}
+@dataclass
+class Watch(Workflow):
+    """Waits for a file to be created: a wait with a listener, so never recovered lean."""
+
+    path: str = ""
+    saw: bool = False
+
+    def definition(self) -> Section:
+        return S(Wait("w", On("made", FileWatch(self.path, on="created"))), Step("s", self.see))
+
+    def see(self) -> None:
+        self.saw = True
+
+
+NAPS: dict[str, type[Workflow]] = {"Nap": Nap, "Watch": Watch}
 NAPS_RENAMED: dict[str, type[Workflow]] = {"Nap": NapRenamed}
 
 
@@ -195,3 +209,19 @@ class TestLeanRecovery:
             assert await rt.refit() == []
             shown = await wait_runtime_status(rt, "n0", "Finished")
             assert shown["data"]["woken"] == 1
+
+    async def test_a_sleeper_with_a_listener_is_recovered_in_full(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A file watch needs its handler: that sleeper is checked and armed as before."""
+        monkeypatch.setattr(recovery, "CHECKED_AT_START", 0)
+        db, clock, made = tmp_path / "wf.db", FakeClock(), tmp_path / "made"
+        await _naps(db, clock, 2)
+        async with SQLiteStore.open(db) as store, Runtime.open(store, NAPS, clock=clock) as rt:
+            await rt.start("Watch", "w1", {"path": str(made)})
+            await wait_runtime_status(rt, "w1", "Waiting")
+        async with SQLiteStore.open(db) as store, Runtime.open(store, NAPS, clock=clock) as rt:
+            assert rt.cache.unchecked == {"n0", "n1"}
+            assert rt.arms.kinds() == {"timer": 2, "listener": 1}
+            made.write_text("")
+            assert (await wait_runtime_status(rt, "w1", "Finished"))["data"]["saw"] is True
