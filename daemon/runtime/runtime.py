@@ -205,14 +205,14 @@ class Runtime:
         return await self.scheduler.drain(grace_s)
 
     async def _submit_callback(self, req: CallbackRequest, input: Any, wait: bool) -> Any:
-        reply = Reply()
-        item = Item("callback", req=req, input=input, reply=reply if wait else None)
+        reply = Reply() if wait else None  # a fired timer waits for nothing: no event made
+        item = Item("callback", req=req, input=input, reply=reply)
         if self.scheduler.stopping:
             if not wait:
                 return None  # a timer due now is still armed in the store: it fires after restart
             raise Unavailable("workflowd is shutting down")
         self.scheduler.submit(req.workflow_id, item)
-        if wait:
+        if reply is not None:
             return await reply.wait()
         return None
 
