@@ -485,6 +485,13 @@ class Actor:
         self._history.append(("callback_received", received))
         log.info("callback_received", event_name=event, thread=item.req.thread_id or None)
         self.arms.rearm(loaded.wf, loaded.state)
+        if _rides_along(item, loaded):
+            # A fired timer has no sender to answer: it is saved with the resume that follows
+            # (its re-arm included), one commit. A crash before that leaves it armed in the
+            # store, so it fires again, once.
+            if self.metrics is not None:
+                self.metrics.callback("applied")
+            return
         try:
             await self._save(loaded)
         except Exception as e:
@@ -558,6 +565,16 @@ def _unexpected(e: Exception) -> WorkflowdError:
     if isinstance(e, sqlite3.Error | OSError):
         return Unavailable(f"cannot save workflow state: {type(e).__name__}: {e}")
     return WorkflowdError(f"{type(e).__name__}: {e}")
+
+
+def _rides_along(item: Item, loaded: Loaded) -> bool:
+    """Tell whether a callback's save may wait for the resume it starts (a fired timer)."""
+    return (
+        item.reply is None
+        and item.inbox_id is None
+        and loaded.state.status is WorkflowStatus.RESUMING
+        and loaded.next_run_at is None
+    )
 
 
 def _check_fits(wf: Workflow) -> None:

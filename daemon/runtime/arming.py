@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
 import anyio
@@ -52,12 +51,14 @@ class Arms:
     ) -> None:
         self._tg, self._clock, self._submit, self._broken = tg, clock, submit, broken
         self._metrics = metrics
-        self._heap: list[tuple[float, int, Key]] = []
-        self._seq = itertools.count()
+        # Ties on the deadline compare keys, which are plain tuples: no sequence number needed.
+        self._heap: list[tuple[float, Key]] = []
         self._timers: dict[Key, float] = {}
         self._listeners: dict[Key, anyio.CancelScope] = {}
         self._delivering: set[Key] = set()
-        self._by_workflow: dict[str, set[Key]] = {}
+        #: A workflow's armed keys: the key itself while it is the only one (most are), so a
+        #: million sleeping workflows hold no set each.
+        self._by_workflow: dict[str, Key | set[Key]] = {}
         self._sleep: anyio.CancelScope | None = None  # the timer loop's current sleep
         self._sleeping_until = math.inf
 
@@ -70,7 +71,10 @@ class Arms:
 
     def armed(self, workflow_id: str) -> set[Key]:
         """Return the keys armed for one workflow."""
-        return set(self._by_workflow.get(workflow_id, ()))
+        have = self._by_workflow.get(workflow_id)
+        if have is None:
+            return set()
+        return set(have) if isinstance(have, set) else {have}
 
     def sync(self, workflow_id: str, wanted: dict[Key, tuple[CallbackRequest, Handler]]) -> None:
         """Make the armed waits of one workflow exactly `wanted`."""
@@ -103,18 +107,59 @@ class Arms:
         deadline_of = getattr(handler, "deadline", None)
         listen = getattr(handler, "listen", None)
         if deadline_of is not None:
-            deadline = float(deadline_of(req))
-            self._timers[key] = deadline
-            heapq.heappush(self._heap, (deadline, next(self._seq), key))
-            if self._sleep is not None and deadline < self._sleeping_until:
-                self._sleep.cancel()
-        elif listen is not None:
+            self.arm_timer(key, float(deadline_of(req)))
+            return
+        if listen is not None:
             scope = anyio.CancelScope()
             self._listeners[key] = scope
             self._tg.start_soon(self._listen, key, req, listen, scope)
         else:
             return
-        self._by_workflow.setdefault(key[0], set()).add(key)
+        self._index(key)
+
+    def _index(self, key: Key) -> None:
+        wid = key[0]
+        have = self._by_workflow.get(wid)
+        if have is None:
+            self._by_workflow[wid] = key
+        elif isinstance(have, set):
+            have.add(key)
+        elif have != key:
+            self._by_workflow[wid] = {have, key}
+
+    def _unindex(self, key: Key) -> None:
+        wid = key[0]
+        have = self._by_workflow.get(wid)
+        if isinstance(have, set):
+            have.discard(key)
+            if len(have) == 1:
+                self._by_workflow[wid] = next(iter(have))
+            elif not have:
+                del self._by_workflow[wid]
+        elif have == key:
+            del self._by_workflow[wid]
+
+    def arm_timer(self, key: Key, deadline: float) -> None:
+        """Arm a timer due at `deadline` (epoch seconds); one armed already stays as it is.
+
+        Recovery arms a sleeping workflow's timers this way, from their stored deadlines,
+        without building its definition.
+        """
+        self.arm_timers(((key, deadline),))
+
+    def arm_timers(self, timers: Iterable[tuple[Key, float]]) -> None:
+        """Arm many timers, each (key, deadline); one armed already stays as it is."""
+        armed, heap, push, by_workflow = self._timers, self._heap, heapq.heappush, self._by_workflow
+        for key, deadline in timers:
+            if armed.setdefault(key, deadline) is not deadline:
+                continue  # armed already
+            push(heap, (deadline, key))
+            if key[0] in by_workflow:
+                self._index(key)
+            else:
+                by_workflow[key[0]] = key
+        if self._sleep is not None and heap and heap[0][0] < self._sleeping_until:
+            self._sleep.cancel()
 
     def disarm(self, key: Key) -> None:
         """Stop a timer or cancel a listen task; a listener that is delivering may finish.
@@ -126,18 +171,14 @@ class Arms:
         scope = self._listeners.pop(key, None)
         if scope is not None and key not in self._delivering:
             scope.cancel()
-        keys = self._by_workflow.get(key[0])
-        if keys is not None:
-            keys.discard(key)
-            if not keys:
-                del self._by_workflow[key[0]]
+        self._unindex(key)
 
     def _compact(self) -> None:
         """Drop disarmed timers from the heap once they outnumber the armed ones."""
         # They are skipped when popped, but a loop whose signal keeps beating a long
         # timeout would otherwise grow the heap by one entry per round until each is due.
         if len(self._heap) > 2 * len(self._timers) + 64:
-            self._heap = [e for e in self._heap if self._timers.get(e[2]) == e[0]]
+            self._heap = [e for e in self._heap if self._timers.get(e[1]) == e[0]]
             heapq.heapify(self._heap)
 
     def disarm_workflow(self, workflow_id: str) -> None:
@@ -218,7 +259,7 @@ class Arms:
         now = self._clock.now()
         while self._heap and self._heap[0][0] <= now:
             entry = heapq.heappop(self._heap)
-            due, _, key = entry
+            due, key = entry
             if self._timers.get(key) != due:
                 continue  # disarmed or re-armed since
             req = CallbackRequest(key[0], key[1], key[2], key[3])

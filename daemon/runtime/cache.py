@@ -40,6 +40,12 @@ class Cache:
         # A workflow whose actor runs stays cached: the actor reads its object back.
         self._pinned = pinned
         self._loaded: OrderedDict[str, Loaded] = OrderedDict()
+        #: Workflows recovery armed from their stored waits without checking them against the
+        #: code; the first load checks one (`vet`) before anything runs it.
+        self.unchecked: set[str] = set()
+        #: Checks a workflow against the code at its first load; False: it is held (the
+        #: runtime sets it).
+        self.vet: Callable[[WorkflowRow, Loaded], bool] = lambda row, loaded: True
 
     def workflow_type(self, name: str) -> type[Workflow]:
         """Return the registered class called `name`, or raise UnknownWorkflowType."""
@@ -67,6 +73,10 @@ class Cache:
         if row is None:
             raise WorkflowNotFound(f"no workflow {workflow_id!r}")
         loaded = self.decode(row)
+        if workflow_id in self.unchecked:
+            self.unchecked.discard(workflow_id)
+            if not self.vet(row, loaded):
+                return loaded  # held: not kept, so code it fits later decodes it afresh
         self.remember(loaded)
         return loaded
 

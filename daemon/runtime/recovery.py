@@ -3,26 +3,105 @@
 The same check as a reload's (daemon.core.compat): a workflow that does not fit the code, or
 whose row does not decode, is held with the reason rather than run into a failure, until a
 reload, a restart or a repair makes it fit.
+
+A store of many sleeping workflows starts fast: past the first CHECKED_AT_START, a workflow
+that sleeps on timers and signals only is recovered lean, its timers armed from the deadlines
+in its stored state (read by a small decoder) without loading its data or building its
+definition. `check_rest` checks those against the code right after READY, a slice at a time;
+one loaded before (its timer fires, an event comes) is checked at that load, before it runs.
 """
 
 from __future__ import annotations
 
+import gc
+import sys
 from collections.abc import Callable
 from typing import Any
 
+import anyio
+import anyio.lowlevel
+import msgspec
 import structlog
 
 from daemon.core.compat import misfit
 from daemon.core.handler import CallbackRequest
 from daemon.core.state import FINAL_STATUSES, EventStatus, WorkflowStatus
 from daemon.errors import WorkflowdError
-from daemon.runtime.arming import Arms
-from daemon.runtime.cache import Cache
+from daemon.runtime.arming import Arms, Key
+from daemon.runtime.cache import Cache, Loaded
 from daemon.runtime.scheduler import Scheduler
 from daemon.runtime.work import Item
-from daemon.store.base import Store, WorkflowRow
+from daemon.store.base import Sleepers, SleepingState, Store, WorkflowRow
 
 log = structlog.get_logger()
+
+#: Handler types a sleeping workflow may wait on and still be recovered lean: a timer (armed
+#: from the deadline its setup stored) and a signal (nothing to arm).
+LEAN_TYPES = frozenset({"timer", "signal"})
+#: How many sleeping workflows are checked in full before READY; the rest are recovered lean.
+CHECKED_AT_START = 10_000
+#: Workflows checked between two yields to the event loop in `check_rest` (~1-2 ms).
+CHECK_SLICE = 64
+_SETUP = EventStatus.SETUP.value
+
+
+# What lean recovery reads of a stored State (daemon.core.state); msgspec skips the rest.
+class _Req(msgspec.Struct):
+    name: str
+    pc: int
+    setup_data: str = ""
+
+
+class _Event(msgspec.Struct):
+    type: str
+    req: _Req
+    status: str
+
+
+class _Thread(msgspec.Struct):
+    id: str
+    wait_events: list[_Event] = []
+
+
+class _Waits(msgspec.Struct):
+    threads: list[_Thread] = []
+
+
+class _Deadline(msgspec.Struct):
+    deadline: float
+
+
+_waits = msgspec.json.Decoder(_Waits)
+_deadline_of = msgspec.json.Decoder(_Deadline)
+
+
+def _timers_of(wid: str, state: str) -> list[tuple[Key, float]] | None:
+    """Return a sleeping workflow's timers (key, deadline) from its state; None if it needs more.
+
+    More: a wait is not set up, a thread waits on a condition, a wait's handler has a task or
+    state of its own (not a timer or signal), or a timer's setup data does not decode.
+    """
+    try:
+        waits = _waits.decode(state)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if not waits.threads:
+        return None
+    timers = []
+    for t in waits.threads:
+        if not t.wait_events:
+            return None  # it waits on a condition (or nothing): the full check decides
+        for ev in t.wait_events:
+            if ev.status != _SETUP or ev.type not in LEAN_TYPES:
+                return None
+            if ev.type == "timer":
+                try:
+                    due = _deadline_of.decode(ev.req.setup_data).deadline
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    return None
+                # Interned: a million sleepers share a handful of thread and event names.
+                timers.append(((wid, sys.intern(t.id), sys.intern(ev.req.name), ev.req.pc), due))
+    return timers
 
 
 class Recovery:
@@ -36,8 +115,13 @@ class Recovery:
         scheduler: Scheduler,
         arms: Arms,
         deadline: Callable[[str, float], None] = lambda workflow_id, at: None,
+        sleepers: Sleepers | None = None,
     ) -> None:
         self._store, self._cache, self._scheduler, self._arms = store, cache, scheduler, arms
+        #: The store's reads of Waiting workflows apart, if it has them.
+        self._sleepers = sleepers
+        #: How many sleeping workflows are checked in full before READY (tests lower it).
+        self.checked_at_start = CHECKED_AT_START
         #: Arms a workflow's deadline (`timeout_s`), which holds even while it is held.
         self._deadline = deadline
 
@@ -49,9 +133,21 @@ class Recovery:
         counts = dict.fromkeys(("resumed", "armed", "broken", "incompatible", "held"), 0)
         pending = await self._store.inbox_pending()
         unseen = {p.workflow_id for p in pending}
-        async for row in self._store.unfinished():
-            unseen.discard(row.id)
-            counts[await self.recover_one(row)] += 1
+        if self._sleepers is None or self._scheduler.hold.held:
+            async for row in self._store.unfinished():
+                unseen.discard(row.id)
+                counts[await self.recover_one(row)] += 1
+        else:
+            async for row in self._sleepers.awake():
+                unseen.discard(row.id)
+                counts[await self.recover_one(row)] += 1
+            after = ""
+            async for page in self._sleepers.sleeping(limit=self.checked_at_start):
+                for row in page:
+                    unseen.discard(row.id)
+                    counts[await self.recover_one(row)] += 1
+                after = page[-1].id
+            await self._recover_lean(after, counts, unseen)
         # Ids that are not unfinished: ended ones reject their events; missing ones cannot.
         gone = {wid for wid in unseen if await self._store.get(wid) is None}
         dropped: list[int] = []
@@ -75,7 +171,126 @@ class Recovery:
             )
         if dropped:
             await self._store.inbox_done(dropped)
-        log.info("recovered", **counts)
+        log.info("recovered", **counts, unchecked=len(self._cache.unchecked))
+
+    async def _recover_lean(self, after: str, counts: dict[str, int], unseen: set[str]) -> None:
+        """Arm the timers of the Waiting workflows with an id over `after` from their states.
+
+        The next page is read while this one is armed; one that needs more than its state
+        (see `_timers_of`) is recovered in full.
+        """
+        assert self._sleepers is not None
+        sleepers = self._sleepers
+        send, receive = anyio.create_memory_object_stream[list[SleepingState]](1)
+
+        async def read(start: str) -> None:
+            async with send:
+                async for page in sleepers.sleeping_states(after=start):
+                    await send.send(page)
+
+        # The pass makes millions of small objects that all stay alive: the cyclic collector
+        # would walk them again and again (a fifth of the pass) and free none.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            async with anyio.create_task_group() as tg, receive:
+                tg.start_soon(read, after)
+                async for page in receive:
+                    rest = self._arm_page(page, unseen)
+                    counts["armed"] += len(page) - len(rest)
+                    if rest:
+                        # The page again, in full (one read, not one per row); a row that is no
+                        # longer Waiting was picked up by whatever changed it.
+                        want = set(rest)
+                        async for rows in sleepers.sleeping(after=after, limit=len(page)):
+                            for row in rows:
+                                if row.id in want:
+                                    counts[await self.recover_one(row)] += 1
+                    after = page[-1][0]
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _arm_page(self, page: list[SleepingState], unseen: set[str]) -> list[str]:
+        """Arm a page of sleeping workflows lean; return the ids that need a full recovery."""
+        registry, cached, unchecked = self._cache.registry, self._cache.get, self._cache.unchecked
+        timers: list[tuple[Key, float]] = []
+        rest = []
+        for wid, name, deadline, state in page:
+            if unseen:
+                unseen.discard(wid)
+            found = None
+            if name in registry and cached(wid) is None:
+                found = _timers_of(wid, state)
+            if found is None:
+                rest.append(wid)
+                continue
+            if deadline is not None:
+                self._deadline(wid, deadline)
+            unchecked.add(wid)
+            timers += found
+        self._arms.arm_timers(timers)
+        return rest
+
+    async def check_rest(self) -> None:
+        """Check the workflows recovered lean against the code, a slice at a time.
+
+        It runs once, right after READY; an I/O error is logged and the pass goes on later
+        (each one left is still checked when it is first loaded).
+        """
+        if self._sleepers is None or not self._cache.unchecked:
+            return
+        counts = dict.fromkeys(("checked", "broken", "incompatible"), 0)
+        delay = 1.0
+        while self._cache.unchecked:
+            try:
+                async for page in self._sleepers.sleeping():
+                    for i, row in enumerate(page):
+                        if i % CHECK_SLICE == 0:
+                            await anyio.lowlevel.checkpoint()  # let requests in
+                        if row.id not in self._cache.unchecked:
+                            continue
+                        self._cache.unchecked.discard(row.id)
+                        counts["checked"] += 1
+                        outcome = self._check(row)
+                        if outcome is not None:
+                            counts[outcome] += 1
+                            self._scheduler.park_queued(row.id)
+                # Left: they are no longer Waiting (woken, ended), so they were checked then.
+                self._cache.unchecked.clear()
+            except Exception as e:  # noqa: BLE001 - e.g. an I/O error: each is checked at load
+                log.error("recovery_check_failed", error=f"{type(e).__name__}: {e}")
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 60.0)
+        log.info("recovery_checked", **counts)
+
+    def _check(self, row: WorkflowRow) -> str | None:
+        """Hold a workflow that does not decode or fit the code; say which, or None if it fits."""
+        try:
+            loaded = self._cache.decode(row)
+        except WorkflowdError as e:
+            self._hold_unfit(row, str(e))
+            log.error("workflow_corrupt", workflow_id=row.id, workflow=row.name, error=str(e))
+            return "broken"
+        reason = misfit(self._cache.registry, row.name, row.data, loaded.state)
+        if reason is None:
+            return None
+        self._hold_unfit(row, reason)
+        log.error("workflow_incompatible", workflow_id=row.id, workflow=row.name, reason=reason)
+        return "incompatible"
+
+    def vet(self, row: WorkflowRow, loaded: Loaded) -> bool:
+        """Check a workflow recovered lean against the code at its first load; False if held.
+
+        What was queued for it is parked then (a cancel stays), as for any held workflow.
+        """
+        reason = misfit(self._cache.registry, row.name, row.data, loaded.state)
+        if reason is None:
+            return True
+        self._hold_unfit(row, reason)
+        log.error("workflow_incompatible", workflow_id=row.id, workflow=row.name, reason=reason)
+        self._scheduler.park_queued(row.id)
+        return False
 
     async def recover_one(self, row: WorkflowRow) -> str:
         """Resume or re-arm one unfinished workflow that fits the code; return what was done.
@@ -84,6 +299,7 @@ class Recovery:
         the code) or "broken" (its row does not decode, or its waits cannot be armed).
         """
         hold = self._scheduler.hold
+        self._cache.unchecked.discard(row.id)  # checked here
         if row.deadline is not None:
             self._deadline(row.id, row.deadline)
         try:
@@ -98,6 +314,8 @@ class Recovery:
             log.error("workflow_incompatible", workflow_id=row.id, workflow=row.name, reason=reason)
             return "incompatible"
         if hold.incompatible.pop(row.id, None) is not None:
+            # A copy an actor loaded meanwhile (to find it held) holds the old class.
+            self._cache.forget(row.id)
             log.info("workflow_fits", workflow_id=row.id, workflow=row.name)
         if hold.holds(row.id):
             return "held"

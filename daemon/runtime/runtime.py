@@ -36,7 +36,7 @@ from daemon.runtime.recovery import Recovery
 from daemon.runtime.scheduler import Hold, Scheduler
 from daemon.runtime.settings import Settings
 from daemon.runtime.work import Item, Reply
-from daemon.store.base import History, Position, Store, WorkflowRow
+from daemon.store.base import History, Position, Sleepers, Store, WorkflowRow
 
 #: Workflows summarized between two checkpoints of `page` (~2 ms of the event loop).
 SUMMARY_SLICE = 100
@@ -111,7 +111,9 @@ class Runtime:
             scheduler=self.scheduler,
             arms=self.arms,
             deadline=self.deadlines.add,
+            sleepers=store if isinstance(store, Sleepers) else None,
         )
+        self.cache.vet = self.recovery.vet
         self.endings = Endings(
             store=store,
             running=self._running,
@@ -176,6 +178,7 @@ class Runtime:
             tg.start_soon(rt.deadlines.run)
             try:
                 await rt.recover()
+                tg.start_soon(rt.recovery.check_rest)
                 tg.start_soon(rt.janitor.run)
                 log_findings(registry)
                 yield rt
@@ -202,14 +205,14 @@ class Runtime:
         return await self.scheduler.drain(grace_s)
 
     async def _submit_callback(self, req: CallbackRequest, input: Any, wait: bool) -> Any:
-        reply = Reply()
-        item = Item("callback", req=req, input=input, reply=reply if wait else None)
+        reply = Reply() if wait else None  # a fired timer waits for nothing: no event made
+        item = Item("callback", req=req, input=input, reply=reply)
         if self.scheduler.stopping:
             if not wait:
                 return None  # a timer due now is still armed in the store: it fires after restart
             raise Unavailable("workflowd is shutting down")
         self.scheduler.submit(req.workflow_id, item)
-        if wait:
+        if reply is not None:
             return await reply.wait()
         return None
 

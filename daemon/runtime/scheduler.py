@@ -86,6 +86,18 @@ class Scheduler:
         for item in self.hold.parked.pop(workflow_id, []):
             self.submit(workflow_id, item)
 
+    def park_queued(self, workflow_id: str) -> None:
+        """Park what is queued for a workflow just found held (a cancel stays: it passes)."""
+        actor = self._actors.get(workflow_id)
+        if actor is None:
+            return
+        kept = [item for item in actor.items if item.kind == "cancel"]
+        self.hold.parked.setdefault(workflow_id, []).extend(
+            item for item in actor.items if item.kind != "cancel"
+        )
+        actor.items.clear()
+        actor.items.extend(kept)
+
     async def _run(self, actor: Actor) -> None:
         try:
             await actor.run()

@@ -10,7 +10,7 @@ import builtins
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 #: Where a listing stopped: the last row's (updated_at, rowid).
 Position = tuple[float, int]
@@ -244,4 +244,29 @@ class Gauges(Protocol):
 
     async def inbox_depth(self) -> int:
         """Return how many acknowledged events are not yet applied."""
+        ...
+
+
+#: A Waiting workflow as lean recovery reads it: id, type, deadline (`timeout_s`), state (JSON).
+SleepingState = tuple[str, str, float | None, str]
+
+
+@runtime_checkable
+class Sleepers(Protocol):
+    """What a store may offer so that recovery reads its Waiting workflows apart."""
+
+    def sleeping(
+        self, *, page: int = 5000, after: str = "", limit: int | None = None
+    ) -> AsyncIterator[builtins.list[WorkflowRow]]:
+        """Yield the Waiting workflows with an id over `after` (up to `limit`), in id order."""
+        ...
+
+    def sleeping_states(
+        self, *, page: int = 5000, after: str = ""
+    ) -> AsyncIterator[builtins.list[SleepingState]]:
+        """Yield id, type, deadline and state of each Waiting workflow with an id over `after`."""
+        ...
+
+    def awake(self, *, page: int = 1000) -> AsyncIterator[WorkflowRow]:
+        """Yield every unfinished workflow that is not Waiting, a page at a time."""
         ...

@@ -35,6 +35,7 @@ from daemon.store.base import (
     InboxRow,
     Position,
     ScheduleRow,
+    SleepingState,
     WorkflowRow,
 )
 from daemon.store.schema import FINAL, Entries
@@ -42,6 +43,9 @@ from daemon.store.writer import ApplyMany, GroupWriter, statement
 
 T = TypeVar("T")
 log = structlog.get_logger(__name__)
+#: Waiting workflows after an id, in id order; `+status` has the planner walk the primary key
+#: (the status index would need a sort).
+_SLEEPING = "WHERE id > ? AND +status = 'Waiting' ORDER BY id LIMIT ?"
 #: A schedule's fire records are trimmed back to FIRES_KEPT each time this many more are added.
 TRIM_EVERY = 16
 INSERT_INBOX = (
@@ -578,3 +582,51 @@ class SQLiteStore:
         """Return how many acknowledged events are not yet applied."""
         ((n,),) = await self._read("SELECT COUNT(*) FROM inbox")
         return int(n)
+
+    # -- recovery of sleeping workflows (reads only) ----------------------------------------
+
+    async def sleeping(
+        self, *, page: int = 5000, after: str = "", limit: int | None = None
+    ) -> AsyncIterator[builtins.list[WorkflowRow]]:
+        """Yield the Waiting workflows with an id over `after` (up to `limit`), in id order."""
+        left = limit
+        while left is None or left > 0:
+            size = page if left is None else min(page, left)
+            rows = await self._read(
+                f"SELECT {schema.COLS} FROM workflows {_SLEEPING}", (after, size)
+            )
+            if rows:
+                yield [WorkflowRow(*r) for r in rows]
+            if len(rows) < size:
+                return
+            after = rows[-1][0]
+            if left is not None:
+                left -= len(rows)
+
+    async def sleeping_states(
+        self, *, page: int = 5000, after: str = ""
+    ) -> AsyncIterator[builtins.list[SleepingState]]:
+        """Yield id, type, deadline and state of each Waiting workflow with an id over `after`."""
+        while True:
+            sql = f"SELECT id, name, deadline, state FROM workflows {_SLEEPING}"
+            rows = await self._read(sql, (after, page))
+            if rows:
+                yield rows
+            if len(rows) < page:
+                return
+            after = rows[-1][0]
+
+    async def awake(self, *, page: int = 1000) -> AsyncIterator[WorkflowRow]:
+        """Yield every unfinished workflow that is not Waiting, a page at a time."""
+        after = ""
+        while True:
+            rows = await self._read(
+                f"SELECT {schema.COLS} FROM workflows WHERE id > ?"
+                " AND +status NOT IN (?, ?, ?, 'Waiting') ORDER BY id LIMIT ?",
+                (after, *FINAL, page),
+            )
+            for r in rows:
+                yield WorkflowRow(*r)
+            if len(rows) < page:
+                return
+            after = rows[-1][0]

@@ -9,6 +9,8 @@ durable callback and the resume that runs that step.
 from __future__ import annotations
 
 import json
+import os
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ import anyio
 from tests.helpers.client import connect
 from tests.helpers.harness import Daemon
 
-from .bench_workflows import Alarm
+from .bench_workflows import Alarm, Ticking
 from .common import bench_daemon, call_many, cpu_s, percentile, query, rss_mb, until_count
 
 LATENESS_TIMERS = 10_000
@@ -26,6 +28,11 @@ WINDOW_S = 5.0
 #: A conservative guess of starts/s, to put the window after every workflow has started.
 STARTS_PER_S_GUESS = 1_000.0
 MEMORY_WORKFLOWS = 100_000
+#: The size of the seeded-database figure; 0 (the default) skips it. Run it with
+#: `WORKFLOWD_BENCH_SLEEPERS=1000000 python -m tests.benchmarks.run timers`.
+SLEEPERS = int(os.environ.get("WORKFLOWD_BENCH_SLEEPERS", "0"))
+TARGET_SLEEPERS_RSS_MB = 1024.0
+TARGET_SLEEPERS_READY_S = 10.0
 TARGET_RSS_MB = 500.0
 CONNECTIONS = 16
 _UNITS = (("_ms", "ms"), ("_us", "us"), ("_mb", "MB"), ("_per_s", "1/s"), ("_s", "s"))
@@ -80,6 +87,39 @@ async def lateness(
     ]
 
 
+REARM_WORKFLOWS = 1_000
+REARM_BEATS = 10
+
+
+async def rearm(
+    tmp: Path, n: int = REARM_WORKFLOWS, beats: int = REARM_BEATS
+) -> list[dict[str, Any]]:
+    """Run `n` workflows that each fire `beats` timers in a row (no step); return CPU per fire.
+
+    Each fire is a timer's callback and the re-arm of the next one, so this is what firing a
+    timer costs, apart from the steps a workflow runs after it.
+    """
+    async with bench_daemon(tmp) as d:
+        assert d.proc is not None
+        db = d.tmp / "wd.db"
+        starts = [
+            {"op": "start", "workflow": Ticking.name, "workflow_id": f"t{i:06d}",
+             "input": {"beats": beats, "every_s": 0.2}}
+            for i in range(n)
+        ]  # fmt: skip
+        await call_many(d.socket, starts, CONNECTIONS)
+        # Every first timer is armed (its start settled): the CPU from here on is all fires.
+        # (Once past its first fire a workflow may show Resuming, so this counts those too.)
+        armed = "SELECT COUNT(*) FROM workflows WHERE status = ? OR data ->> 'ticked' > 0"
+        await until_count(db, armed, ("Waiting",), n, limit_s=120, every_s=0.05)
+        cpu = cpu_s(d.proc.pid)
+        await until_count(db, _COUNT, ("Finished",), n, limit_s=300, every_s=0.05)
+        cpu = cpu_s(d.proc.pid) - cpu
+    fires = n * beats
+    ctx = {"workflows": n, "beats": beats, "how": "timer re-armed by its own callback, no step"}
+    return [_figure("daemon_cpu_per_rearmed_timer_us", round(cpu / fires * 1e6), 100.0, **ctx)]
+
+
 async def _start_bounded(d: Daemon, limit_s: float) -> float:
     """Spawn the daemon and return the seconds until it answers ping."""
     start = time.perf_counter()
@@ -132,11 +172,78 @@ async def memory(tmp: Path, n: int = MEMORY_WORKFLOWS) -> list[dict[str, Any]]:
     ]
 
 
+def _seed(db: Path, template_id: str, n: int) -> None:
+    """Copy one waiting workflow's row `n` times (ids of the template's width) into `db`."""
+    conn = sqlite3.connect(db)
+    try:
+        cols = "name, status, data, state, error, attempt, next_run_at, created_at, updated_at"
+        name, status, data, state, *rest = conn.execute(
+            f"SELECT {cols} FROM workflows WHERE id = ?", (template_id,)
+        ).fetchone()
+        head, width = template_id[0], len(template_id) - 1
+        chunk = 50_000
+        for first in range(0, n, chunk):
+            rows = []
+            for i in range(first, min(n, first + chunk)):
+                wid = f"{head}{i:0{width}d}"
+                rows.append((wid, name, status, data, state.replace(template_id, wid), *rest))
+            conn.executemany(
+                f"INSERT OR REPLACE INTO workflows (id, {cols}, history_seq)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0)",
+                rows,
+            )
+            conn.commit()
+    finally:
+        conn.close()
+
+
+async def sleepers(tmp: Path, n: int) -> list[dict[str, Any]]:
+    """Seed `n` workflows waiting on a timer a week away straight into SQLite; time a start.
+
+    The rows are copies of one workflow started through the socket, so they are what the
+    daemon writes; the figures are the start (recovery included) until READY, and its RSS.
+    """
+    async with bench_daemon(tmp) as d:
+        assert d.proc is not None
+        db = d.tmp / "wd.db"
+        wid = "s" + "0" * len(str(max(n - 1, 1)))
+        await call_many(d.socket, [{"op": "start", "workflow": Alarm.name, "workflow_id": wid,
+                                    "input": {"at": time.time() + 7 * 86_400}}])  # fmt: skip
+        await until_count(db, _COUNT, ("Waiting",), 1, limit_s=30)
+        await d.stop()
+        start = time.perf_counter()
+        await anyio.to_thread.run_sync(_seed, db, wid, n)
+        seed_s = time.perf_counter() - start
+        ready_s = await _start_bounded(d, 900)
+        ready_mb, ready_cpu_s = rss_mb(d.proc.pid), cpu_s(d.proc.pid)
+        async with connect(d.socket) as c:
+            ping = await c.call("ping")
+        if ping["workflows"] != {"Waiting": n}:
+            raise AssertionError(f"after the start: {ping['workflows']}")
+    ctx = {"workflows": n, "how": "seeded rows, then a start", "seed_s": round(seed_s, 1)}
+    return [
+        _figure("sleepers_ready_s", round(ready_s, 2), TARGET_SLEEPERS_READY_S, **ctx),
+        # The process's CPU until READY (all threads): steadier than the time on a busy box.
+        _figure("sleepers_ready_cpu_s", round(ready_cpu_s, 2), None, **ctx),
+        _figure("sleepers_rss_mb", round(ready_mb, 1), TARGET_SLEEPERS_RSS_MB, **ctx),
+    ]
+
+
 async def run(
-    tmp: Path, timers: int = LATENESS_TIMERS, workflows: int = MEMORY_WORKFLOWS
+    tmp: Path,
+    timers: int = LATENESS_TIMERS,
+    workflows: int = MEMORY_WORKFLOWS,
+    seeded: int = SLEEPERS,
 ) -> list[dict[str, Any]]:
-    """Measure timer lateness, then memory and recovery time of many waiting workflows."""
+    """Measure timer lateness, then memory and recovery time of many waiting workflows.
+
+    With `seeded` (WORKFLOWD_BENCH_SLEEPERS) it also starts on that many seeded sleepers.
+    """
     # A moderate load (a tenth of the burst) shows lateness when the daemon keeps up.
     moderate = await lateness(tmp / "moderate", max(1, timers // 10), label="_moderate")
     burst = await lateness(tmp / "lateness", timers)
-    return [*moderate, *burst, *await memory(tmp / "memory", workflows)]
+    figures = [*moderate, *burst, *await rearm(tmp / "rearm")]
+    figures += await memory(tmp / "memory", workflows)
+    if seeded:
+        figures += await sleepers(tmp / "sleepers", seeded)
+    return figures

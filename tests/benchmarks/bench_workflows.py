@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 from daemon import For, Go, On, S, Section, Step, Wait, WaitFor, Workflow
 from handlers import Signal, Timer
@@ -109,3 +110,30 @@ class FanSteps(Workflow):
             *go,
             WaitFor("joined", all(c >= self.n for c in self.counts)),
         )
+
+
+@dataclass
+class Ticking(Workflow):
+    """Fires `beats` timers in a row, each `every_s` after the last, and takes no step.
+
+    The timer's handler counts the beats, so each fire costs its callback and the re-arm of
+    the next timer, nothing else: what a fired timer costs the daemon.
+    """
+
+    beats: int = 10
+    every_s: float = 0.05
+    ticked: int = 0
+
+    def tick(self) -> Timer:
+        timer = Timer(after=self.every_s)
+        inner = timer.handle
+
+        async def handle(req: Any, input: Any) -> Any:
+            self.ticked += 1
+            return await inner(req, input)
+
+        timer.handle = handle  # type: ignore[method-assign] # a per-instance wrapper
+        return timer
+
+    def definition(self) -> Section:
+        return S(For("beat", self.ticked < self.beats, Wait("w", On("tick", self.tick()))))

@@ -137,6 +137,33 @@ class TestTimer:
         (failed,) = [r for r in logs if r["event"] == "task_failed"]
         assert failed["task"] == "timers" and "queue broke" in failed["error"]
 
+    async def test_bulk_armed_timers_fire_in_deadline_order_once(self) -> None:
+        """`arm_timers` (recovery's way) skips keys armed already; each fires once, in order."""
+        clock, fired = FakeClock(), []
+
+        async def submit(req: CallbackRequest, input: Any, wait: bool) -> None:
+            fired.append((req.workflow_id, req.name))
+
+        async with anyio.create_task_group() as tg:
+            arms = Arms(tg, clock, submit, lambda req, error: None)
+            tg.start_soon(arms.run_timers)
+            now = clock.now()
+            a1, a2, b = ("a", "_main_", "t1", 1), ("a", "t2", "t2", 1), ("b", "_main_", "t", 3)
+            arms.arm_timers([(b, now + 30), (a1, now + 10), (a2, now + 20)])
+            arms.arm_timers([(a1, now + 5)])  # armed already: the first deadline holds
+            assert arms.armed("a") == {a1, a2} and arms.armed("b") == {b}
+            assert arms.kinds() == {"timer": 3, "listener": 0}
+            arms.disarm(a2)
+            assert arms.armed("a") == {a1}
+            clock.advance(6)
+            await anyio.sleep(0.01)  # the window in which a1 must not fire early
+            assert fired == []
+            clock.advance(40)
+            await until(lambda: len(fired) == 2)
+            assert fired == [("a", "t1"), ("b", "t")]
+            assert arms.armed("a") == set() and len(arms) == 0
+            tg.cancel_scope.cancel()
+
 
 class _Listener:
     """An active handler whose listen fails `fails` times, then delivers `value` (stand-in)."""

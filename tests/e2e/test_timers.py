@@ -1,0 +1,111 @@
+"""Timers in a real workflowd: what a fired timer costs in commits, and recovery of sleepers."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers.harness import Daemon, running_daemon
+from tests.helpers.http import fetch
+from tests.helpers.wait import logged, settled, wait_status
+
+MODULES = ["tests.workflows.timers"]
+
+
+async def _writes(address: str) -> float:
+    """Return how many writes the daemon has committed so far (from `/metrics`)."""
+    reply = await fetch(address, "/metrics")
+    for family in text_string_to_metric_families(reply.body.decode()):
+        for s in family.samples:
+            if s.name == "workflowd_commit_batch_size_sum":
+                return float(s.value)
+    raise AssertionError("no workflowd_commit_batch_size_sum in /metrics")
+
+
+async def test_a_fired_timer_and_its_rearm_are_one_write(short_tmp: Path) -> None:
+    """A timer that fires and re-arms the next one costs one write, not one for each."""
+    address = str(short_tmp / "metrics.sock")
+    workflows, beats = 10, 10
+    async with (
+        running_daemon(short_tmp, MODULES, metrics={"listen": address}) as d,
+        d.client() as c,
+    ):
+        before = await _writes(address)
+        for i in range(workflows):
+            await c.call("start", workflow="Metronome", workflow_id=f"m{i}", input={"beats": beats})
+        for i in range(workflows):
+            await wait_status(c, f"m{i}", "Finished", limit_s=30)
+        await settled(c)
+        shown = await c.call("show", workflow_id="m0")
+        assert shown["data"]["ticked"] == beats
+        writes = await _writes(address) - before
+    # Per workflow: its start, the settle that arms the first timer, then one per beat (the
+    # last beat's write is its end). Before, each beat wrote twice: callback, then re-arm.
+    per_workflow = writes / workflows
+    assert per_workflow <= beats + 3, f"{per_workflow} writes per workflow of {beats} beats"
+
+
+#: The template sleeper's deadline (2100-01-01), written in its data and its timer's setup.
+FAR = 4102444800.0
+
+
+def _seed(db: Path, template: str, rows: list[tuple[str, float]]) -> None:
+    """Copy the template workflow's row once per (id, deadline), as the daemon would store it."""
+    with sqlite3.connect(db) as conn:
+        cols = "name, status, data, state, error, attempt, next_run_at, created_at, updated_at"
+        name, status, data, state, *rest = conn.execute(
+            f"SELECT {cols} FROM workflows WHERE id = ?", (template,)
+        ).fetchone()
+        assert repr(FAR) in data and repr(FAR) in state
+        conn.executemany(
+            f"INSERT INTO workflows (id, {cols}, history_seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0)",
+            [
+                (wid, name, status, data.replace(repr(FAR), repr(at)),
+                 state.replace(template, wid).replace(repr(FAR), repr(at)), *rest)
+                for wid, at in rows
+            ],
+        )  # fmt: skip
+    conn.close()
+
+
+@pytest.mark.sqlite_only("seeds the SQLite file directly")
+async def test_sleepers_recovered_lean_fire_once_never_early_across_a_kill(
+    short_tmp: Path,
+) -> None:
+    """Past the first 10,000 sleepers, timers armed from the stored state fire once, on time.
+
+    Some fire, then the daemon is killed (SIGKILL) and restarted: each timer has fired once.
+    """
+    async with running_daemon(short_tmp, MODULES) as d, d.client() as c:
+        await c.call("start", workflow="Dozer", workflow_id="template", input={"at": FAR})
+        await wait_status(c, "template", "Waiting")
+    due = time.time() + 3.0
+    soon = [(f"s{i:02d}", due + i * 0.05) for i in range(40)]
+    # Ids sorting before the soon ones, so that these are the ones checked in full at start.
+    far = [(f"f{i:05d}", FAR) for i in range(10_000)]
+    _seed(short_tmp / "wd.db", "template", far + soon)
+    d = Daemon(short_tmp, short_tmp / "config.toml")
+    try:
+        await d.start()
+        recovered = (await logged(d, "recovered"))[-1]
+        assert recovered["armed"] == 10_041 and recovered["unchecked"] >= 40
+        async with d.client() as c:
+            await wait_status(c, "s10", "Finished", limit_s=30)
+        await d.kill()
+        await d.start()
+        async with d.client() as c:
+            for wid, at in soon:
+                shown = await wait_status(c, wid, "Finished", limit_s=30)
+                data = shown["data"]
+                assert data["rang"] == 1, (wid, data)
+                assert data["fired_at"] >= at and data["woke_at"] >= at, (wid, at, data)
+            await logged(d, "recovery_checked", limit_s=60)
+            ping = await c.call("ping")
+            assert ping["workflows"] == {"Waiting": 10_001, "Finished": 40}
+    finally:
+        if d.proc is not None and d.proc.poll() is None:
+            await d.stop()

@@ -1,0 +1,68 @@
+"""Workflows the timer tests run inside a real workflowd: timers that re-arm, and sleepers."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from daemon import For, On, S, Section, Step, Wait, Workflow
+from daemon.core.handler import CallbackRequest
+from handlers import Timer
+
+
+@dataclass
+class Metronome(Workflow):
+    """Ticks `beats` times on a short timer, counting in the timer's own handler: no steps.
+
+    Each beat is a fired timer whose callback re-arms the next one, so it shows what a fired
+    timer costs in writes and nothing else.
+    """
+
+    beats: int = 5
+    every_s: float = 0.02
+    ticked: int = 0
+
+    def timer(self) -> Timer:
+        timer = Timer(after=self.every_s)
+
+        async def handle(req: CallbackRequest, input: Any) -> Any:
+            self.ticked += 1
+            return input
+
+        timer.handle = handle  # type: ignore[method-assign] # a per-instance wrapper
+        return timer
+
+    def definition(self) -> Section:
+        return S(For("beat", self.ticked < self.beats, Wait("w", On("tick", self.timer()))))
+
+
+@dataclass
+class Dozer(Workflow):
+    """Sleeps until `at` (epoch seconds); counts its timer's fires in the timer's handler.
+
+    The count is saved with the callback, so a timer that fired twice for one wait shows
+    `rang == 2`; the step after it records when it ran (a step may run twice across a kill).
+    """
+
+    at: float = 0.0
+    rang: int = 0
+    fired_at: float = 0.0
+    woke_at: float = 0.0
+
+    def alarm(self) -> Timer:
+        timer = Timer(at=self.at)
+
+        async def handle(req: CallbackRequest, input: Any) -> Any:
+            self.rang += 1
+            self.fired_at = float(input["fired_at"])
+            return input
+
+        timer.handle = handle  # type: ignore[method-assign] # a per-instance wrapper
+        return timer
+
+    def wake(self) -> None:
+        self.woke_at = time.time()
+
+    def definition(self) -> Section:
+        return S(Wait("nap", On("alarm", self.alarm())), Step("woke", self.wake))
