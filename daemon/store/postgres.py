@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import socket
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -25,6 +26,7 @@ from daemon.store.base import (
     HistoryRow,
     InboxRow,
     Position,
+    ScheduleFire,
     ScheduleRow,
     WorkflowRow,
 )
@@ -480,6 +482,39 @@ class PostgresStore:
             return created
 
         created: bool = await self._writes.submit(apply)
+        return created
+
+    async def schedule_fire_many(self, fires: Sequence[ScheduleFire]) -> builtins.list[bool]:
+        """Insert each fire's workflow and advance its schedule, all in one transaction.
+
+        An existing id is left as is and its schedule still advances; True where inserted.
+        The records' `at` is stamped inside the transaction: when the fire was committed.
+        """
+        clock = get_clock()
+        now = clock.now()
+        work = []
+        for f in fires:
+            entries = [(now, kind, to_json(detail)) for kind, detail in f.history]
+            sets: dict[str, Any] = {"last_workflow_id": f.row.id, "last_fire_at": now}
+            if f.last_nominal is not None:
+                sets["last_nominal"] = f.last_nominal
+            if f.clear_buffered:
+                sets["buffered"] = None
+            work.append((f, self._insert_params(f.row, len(entries), now), entries, sets))
+
+        async def apply(conn: Conn) -> builtins.list[bool]:
+            stamp = clock.now()
+            created = []
+            for f, params, entries, sets in work:
+                made = await conn.execute(schema.INSERT_WORKFLOW, *params) == "INSERT 0 1"
+                created.append(made)
+                if made and entries:
+                    await self._append(conn, f.row.id, len(entries), entries)
+                records = [dataclasses.replace(r, at=stamp) for r in f.records]
+                await self._advance(conn, f.name, sets, records)
+            return created
+
+        created: builtins.list[bool] = await self._writes.submit(apply)
         return created
 
     async def schedule_note(

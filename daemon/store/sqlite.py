@@ -32,6 +32,7 @@ from daemon.store.base import (
     HistoryRow,
     InboxRow,
     Position,
+    ScheduleFire,
     ScheduleRow,
     WorkflowRow,
 )
@@ -429,6 +430,66 @@ class SQLiteStore:
             return created
 
         created: bool = await self._writes.submit(apply)
+        return created
+
+    async def schedule_fire_many(self, fires: Sequence[ScheduleFire]) -> builtins.list[bool]:
+        """Insert each fire's workflow and advance its schedule, all in one transaction.
+
+        An existing id is left as is and its schedule still advances; True where inserted.
+        The records' `at` is stamped inside the transaction: when the fire was committed.
+        """
+        clock = get_clock()
+        now = clock.now()
+        work = []
+        for f in fires:
+            row = f.row
+            entries = [(now, kind, schema.to_json(detail)) for kind, detail in f.history]
+            params = (
+                row.id, row.name, row.status, row.data, row.state, row.error, row.attempt,
+                row.next_run_at, row.created_at or now, row.updated_at or now, row.parent,
+                row.deadline, len(entries),
+            )  # fmt: skip
+            sets: dict[str, Any] = {"last_workflow_id": row.id, "last_fire_at": now}
+            if f.last_nominal is not None:
+                sets["last_nominal"] = f.last_nominal
+            if f.clear_buffered:
+                sets["buffered"] = None
+            work.append((f, params, entries, sets))
+
+        def apply(conn: sqlite3.Connection) -> builtins.list[bool]:
+            stamp = clock.now()
+            created = []
+            history, fired, trims = [], [], []
+            for f, params, entries, sets in work:
+                made = conn.execute(schema.INSERT_WORKFLOW, params).rowcount == 1
+                created.append(made)
+                if made:
+                    wid = f.row.id
+                    history += [(wid, i + 1, *e) for i, e in enumerate(entries)]
+                columns = [
+                    f"{c} = MAX({c}, ?)" if c == "last_nominal" else f"{c} = ?" for c in sets
+                ]
+                sql = (
+                    f"UPDATE schedules SET {', '.join([*columns, 'fire_seq = fire_seq + ?'])}"
+                    " WHERE name = ? RETURNING fire_seq"
+                )
+                got = conn.execute(sql, (*sets.values(), len(f.records), f.name)).fetchone()
+                if got is None:
+                    raise ScheduleNotFound(f"no schedule {f.name!r}")
+                last = got[0]
+                first = last - len(f.records) + 1
+                fired += [
+                    (f.name, first + i, stamp, r.kind, r.nominal, r.workflow_id, r.reason, r.count)
+                    for i, r in enumerate(f.records)
+                ]
+                if last > schema.FIRES_KEPT and (first - 1) // TRIM_EVERY != last // TRIM_EVERY:
+                    trims.append((f.name, last - schema.FIRES_KEPT))
+            conn.executemany(schema.INSERT_HISTORY, history)
+            conn.executemany(schema.INSERT_FIRE, fired)
+            conn.executemany(schema.TRIM_FIRES, trims)
+            return created
+
+        created: builtins.list[bool] = await self._writes.submit(apply)
         return created
 
     async def schedule_note(
