@@ -324,11 +324,14 @@ class Firer:
         starts: list[tuple[str, str, dict[str, Any] | None]] = []
         #: workflow id -> (entry, nominal, kind, nominal as ISO)
         about: dict[str, tuple[Entry, float, str, str]] = {}
+        isos: dict[float, str] = {}  # the schedules of a batch mostly share their nominal time
         for e, p in batch:
             s, n = e.schedule, p.nominal
             assert n is not None
-            at = iso(n)
-            wid = f"{s.name}:{at}"
+            at = isos.get(n)
+            if at is None:
+                at = isos[n] = iso(n)
+            wid = workflow_id(s.name, n, at)
             starts.append((s.workflow, wid, s.input))
             about[wid] = (e, n, "caught_up" if p.catch_up else "fired", at)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import sqlite3
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -458,25 +459,38 @@ class SQLiteStore:
 
         def apply(conn: sqlite3.Connection) -> builtins.list[bool]:
             stamp = clock.now()
-            created = []
-            history, fired, trims = [], [], []
-            for f, params, entries, sets in work:
-                made = conn.execute(schema.INSERT_WORKFLOW, params).rowcount == 1
-                created.append(made)
-                if made:
-                    wid = f.row.id
-                    history += [(wid, i + 1, *e) for i, e in enumerate(entries)]
-                columns = [
-                    f"{c} = MAX({c}, ?)" if c == "last_nominal" else f"{c} = ?" for c in sets
-                ]
-                sql = (
-                    f"UPDATE schedules SET {', '.join([*columns, 'fire_seq = fire_seq + ?'])}"
-                    " WHERE name = ? RETURNING fire_seq"
-                )
-                got = conn.execute(sql, (*sets.values(), len(f.records), f.name)).fetchone()
-                if got is None:
+            ids = [f.row.id for f, *_ in work]
+            existing = {
+                r[0] for r in _in_chunks(conn, "SELECT id FROM workflows WHERE id IN ({})", ids)
+            }
+            created = [wid not in existing for wid in ids]
+            conn.executemany(
+                schema.INSERT_WORKFLOW,
+                [w[1] for w, made in zip(work, created, strict=True) if made],
+            )
+            conn.executemany(
+                schema.INSERT_HISTORY,
+                [
+                    (f.row.id, i + 1, *e)
+                    for (f, _, entries, _), made in zip(work, created, strict=True)
+                    if made
+                    for i, e in enumerate(entries)
+                ],
+            )
+            # One UPDATE statement for each set of columns (a batch mostly has one).
+            updates: dict[tuple[str, ...], builtins.list[tuple[Any, ...]]] = {}
+            for f, _, _, sets in work:
+                updates.setdefault(tuple(sets), []).append((*sets.values(), len(f.records), f.name))
+            for columns, rows in updates.items():
+                conn.executemany(_advance_sql(columns), rows)
+            names = [f.name for f, *_ in work]
+            sql = "SELECT name, fire_seq FROM schedules WHERE name IN ({})"
+            seqs = dict(_in_chunks(conn, sql, names))
+            fired, trims = [], []
+            for f, *_ in work:
+                last = seqs.get(f.name)
+                if last is None:
                     raise ScheduleNotFound(f"no schedule {f.name!r}")
-                last = got[0]
                 first = last - len(f.records) + 1
                 fired += [
                     (f.name, first + i, stamp, r.kind, r.nominal, r.workflow_id, r.reason, r.count)
@@ -484,7 +498,6 @@ class SQLiteStore:
                 ]
                 if last > schema.FIRES_KEPT and (first - 1) // TRIM_EVERY != last // TRIM_EVERY:
                     trims.append((f.name, last - schema.FIRES_KEPT))
-            conn.executemany(schema.INSERT_HISTORY, history)
             conn.executemany(schema.INSERT_FIRE, fired)
             conn.executemany(schema.TRIM_FIRES, trims)
             return created
@@ -556,3 +569,19 @@ class SQLiteStore:
         """Return how many acknowledged events are not yet applied."""
         ((n,),) = await self._read("SELECT COUNT(*) FROM inbox")
         return int(n)
+
+
+def _in_chunks(conn: sqlite3.Connection, sql: str, keys: Sequence[str]) -> builtins.list[Any]:
+    """Run `sql` (its `IN ({})` filled with marks) over `keys`, under SQLite's parameter limit."""
+    rows: builtins.list[Any] = []
+    for i in range(0, len(keys), 500):
+        chunk = keys[i : i + 500]
+        rows += conn.execute(sql.format(", ".join("?" * len(chunk))), chunk).fetchall()
+    return rows
+
+
+@functools.cache
+def _advance_sql(columns: tuple[str, ...]) -> str:
+    """Return the UPDATE that advances a schedule's row: these columns, then `fire_seq`."""
+    sets = [f"{c} = MAX({c}, ?)" if c == "last_nominal" else f"{c} = ?" for c in columns]
+    return f"UPDATE schedules SET {', '.join([*sets, 'fire_seq = fire_seq + ?'])} WHERE name = ?"
