@@ -60,7 +60,7 @@ class TestManyAtOnce:
             rows = [r for r in fired(db) if r[1] == first]
             assert len(rows) == MANY and len({r[0] for r in rows}) == MANY
             stamps = {at for _, _, at, _ in rows}
-            assert len(stamps) == 1, f"{len(stamps)} writes for {MANY} fires due at once"
+            assert len(stamps) == 1, f"{len(stamps)} commit stamps for {MANY} fires due at once"
             (stamp,) = stamps
             assert stamp >= first  # committed at or after its nominal time, never before
 
