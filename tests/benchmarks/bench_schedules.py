@@ -74,6 +74,11 @@ async def _until_done(db: Path, window: tuple[float, float], want: int) -> None:
         await anyio.sleep(0.05)
 
 
+def _late(values: list[float], p: float) -> float:
+    """Return the p-th percentile in ms, or NaN (null) when none came (see `fires`)."""
+    return round(percentile(values, p), 2) if values else math.nan
+
+
 def _figure(metric: str, value: float, target: float | None, **context: Any) -> dict[str, Any]:
     unit = "ms" if metric.endswith("_ms") else "us" if metric.endswith("_us") else ""
     return {"bench": "schedules", "metric": metric, "value": value, "unit": unit,
@@ -119,7 +124,7 @@ async def measure(
         *(
             _figure(
                 f"{name}{label}_p{p}_ms",
-                round(percentile(values, p), 2),
+                _late(values, p),
                 TARGET_P99_MS if (name, p) == ("fire_late", 99) else None,
                 **ctx,
             )
@@ -187,10 +192,7 @@ async def measure_firing(
     ctx = {"schedules": schedules, "every_s": every_s, "window_s": window_s, "due": want,
            "fires": len(rows), "mode": "in-process, workflows held"}  # fmt: skip
     return [
-        *(
-            _figure(f"fire_only_late_p{p}_ms", round(percentile(late, p), 2), None, **ctx)
-            for p in (50, 99)
-        ),
+        *(_figure(f"fire_only_late_p{p}_ms", _late(late, p), None, **ctx) for p in (50, 99)),
         _figure("cpu_per_fire_us", round(cpu / max(1, count) * 1e6), FIRE_TARGET_US, **ctx),
     ]
 
