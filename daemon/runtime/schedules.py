@@ -157,8 +157,14 @@ class Schedules:
                 if e is None or e.token != token:
                     continue
                 p = self._step(e, now)
-                if p is not None:
-                    await e.lock.acquire()  # free (`_step` checked): this does not wait
+                if p is None:
+                    continue
+                await e.lock.acquire()  # free (`_step` checked), so this rarely waits
+                if e.paused or e.plan(now) != p or not self._fires.batchable(e, p):
+                    # A pause, resume or trigger got the lock first: decide again, alone.
+                    e.lock.release()
+                    self._hand(e)
+                else:
                     batch.append((e, p))
                     if len(batch) >= BATCH_MAX:
                         self._spawn(self._fire_batch, batch)
