@@ -160,8 +160,9 @@ class Schedules:
                 if p is None:
                     continue
                 await e.lock.acquire()  # free (`_step` checked), so this rarely waits
-                if e.paused or e.plan(now) != p or not self._fires.batchable(e, p):
-                    # A pause, resume or trigger got the lock first: decide again, alone.
+                if e.paused or e.token != token or not self._fires.batchable(e, p):
+                    # A pause, resume (a new token) or trigger got the lock first: decide
+                    # again, alone.
                     e.lock.release()
                     self._hand(e)
                 else:
