@@ -4,6 +4,7 @@ SIGKILL still exactly one workflow per schedule and nominal time.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import time
 from collections import Counter, defaultdict
@@ -12,12 +13,23 @@ from typing import Any
 
 import anyio
 
-from tests.e2e.test_schedules import MODULES, env_of, every_second
 from tests.helpers.harness import running_daemon
 from tests.helpers.wait import eventually
+from tests.workflows.schedules import SCHEDULES_ENV
 
+MODULES = ["tests.workflows.schedules"]
 #: Schedules every second, all due at the same instants.
 MANY = 300
+
+
+def env_of(*schedules: dict[str, Any]) -> dict[str, str]:
+    """Return the daemon environment that gives it these schedules (Schedule keyword args)."""
+    return {SCHEDULES_ENV: json.dumps(list(schedules))}
+
+
+def every_second(name: str, **more: Any) -> dict[str, Any]:
+    """A Chime every second; overlap allowed, so each second starts one whatever ran before."""
+    return {"name": name, "workflow": "Chime", "every": 1, "overlap": "allow", **more}
 
 
 def query(db: Path, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
