@@ -1,7 +1,8 @@
 """What one schedule's fire does: give missed times up, apply the overlap policy, start.
 
 The start commits the schedule's bookkeeping in the workflow's own transaction (the runtime's
-start path with a `create` of ours), so a crash never loses or doubles a fire.
+start path with a `create` of ours), so a crash never loses or doubles a fire. Plain on-time
+fires due together start together (`fire_many`): one transaction for all of them.
 """
 
 from __future__ import annotations
