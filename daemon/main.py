@@ -175,6 +175,7 @@ async def run_daemon(
                 held=lambda: rt.scheduler.hold.held,
                 schedules=schedules,
                 metrics=metrics,
+                start_many=rt.start_many,
             )
             hooks = Hooks(
                 queue=store,

@@ -249,9 +249,9 @@ def iso(at: float, *, millis: bool = False) -> str:
     return t.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def workflow_id(name: str, nominal: float) -> str:
-    """Return the id of the workflow a schedule starts for a nominal time."""
-    return f"{name}:{iso(nominal)}"
+def workflow_id(name: str, nominal: float, at: str | None = None) -> str:
+    """Return the id of the workflow a schedule starts for a nominal time (`at`: its `iso`)."""
+    return f"{name}:{at or iso(nominal)}"
 
 
 def manual_id(name: str, now: float) -> str:

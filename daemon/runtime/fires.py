@@ -1,14 +1,15 @@
 """What one schedule's fire does: give missed times up, apply the overlap policy, start.
 
 The start commits the schedule's bookkeeping in the workflow's own transaction (the runtime's
-start path with a `create` of ours), so a crash never loses or doubles a fire.
+start path with a `create` of ours), so a crash never loses or doubles a fire. Plain on-time
+fires due together start together (`fire_many`): one transaction for all of them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -19,7 +20,7 @@ from daemon.core.schedule import Plan, Schedule, iso, manual_id, plan, workflow_
 from daemon.core.state import FINAL_STATUSES
 from daemon.errors import WorkflowdError
 from daemon.observe.metrics import Metrics
-from daemon.store.base import FireRecord, History, Store, WorkflowRow
+from daemon.store.base import FireRecord, History, ScheduleFire, Store, WorkflowRow
 
 log = structlog.get_logger()
 FINAL = frozenset(s.value for s in FINAL_STATUSES)
@@ -38,6 +39,18 @@ class Start(Protocol):
         *,
         create: Callable[[WorkflowRow, History], Awaitable[bool]] | None = None,
     ) -> dict[str, Any]: ...
+
+
+#: Writes many new workflows' rows at once; True for each inserted.
+CreateMany = Callable[[Sequence[tuple[WorkflowRow, History]]], Awaitable[list[bool]]]
+
+
+class StartMany(Protocol):
+    """The runtime's batch start: (type, id, input) each, one write, an answer or error each."""
+
+    async def __call__(
+        self, starts: Sequence[tuple[str, str, dict[str, Any] | None]], *, create: CreateMany
+    ) -> list[dict[str, Any] | Exception]: ...
 
 
 #: Cancels a workflow (the runtime's cancel).
@@ -105,10 +118,12 @@ class Firer:
         running: Running = never,
         spacing_s: float = SPACING_S,
         metrics: Metrics | None = None,
+        start_many: StartMany | None = None,
     ) -> None:
         self._store, self._clock = store, clock
         self._metrics = metrics
         self._start, self._cancel, self._status, self._running = start, cancel, status, running
+        self._start_many = start_many
         self.spacing_s = spacing_s
         #: A running workflow id -> the schedule whose buffered fire waits for it to end.
         self._waiting: dict[str, Entry] = {}
@@ -280,3 +295,86 @@ class Firer:
             created=result.get("created"),
         )
         return result
+
+    # -- many on-time fires at once ---------------------------------------------------------
+
+    def batchable(self, e: Entry, p: Plan) -> bool:
+        """Tell whether plan `p` is a plain start that can share one write with others.
+
+        It is when nothing is given up, no buffered fire waits, and the overlap policy needs
+        no question answered (`allow`, or the last run was seen ending).
+        """
+        if self._start_many is None or p.nominal is None or p.given_up or e.release_due:
+            return False
+        wid = e.last_workflow_id
+        return (
+            e.schedule.overlap == "allow"
+            or wid is None
+            or (e.last_ended and not self._running(wid))
+        )
+
+    async def fire_many(self, batch: Sequence[tuple[Entry, Plan]]) -> list[tuple[Entry, Exception]]:
+        """Start the workflows of many batchable plans in one transaction; return the failures.
+
+        Each schedule's row and fire record commit with its workflow, as in `fire`. A start
+        that could not be made (its input no longer fits, say) is returned with its error; if
+        the write itself fails, this raises and nothing was committed.
+        """
+        assert self._start_many is not None
+        now = self._clock.now()
+        starts: list[tuple[str, str, dict[str, Any] | None]] = []
+        #: workflow id -> (entry, nominal, kind, nominal as ISO)
+        about: dict[str, tuple[Entry, float, str, str]] = {}
+        isos: dict[float, str] = {}  # the schedules of a batch mostly share their nominal time
+        for e, p in batch:
+            s, n = e.schedule, p.nominal
+            assert n is not None
+            at = isos.get(n)
+            if at is None:
+                at = isos[n] = iso(n)
+            wid = workflow_id(s.name, n, at)
+            starts.append((s.workflow, wid, s.input))
+            about[wid] = (e, n, "caught_up" if p.catch_up else "fired", at)
+
+        async def create(rows: Sequence[tuple[WorkflowRow, History]]) -> list[bool]:
+            fires = []
+            for row, history in rows:
+                e, n, kind, at = about[row.id]
+                tag = {"schedule": e.schedule.name, "nominal": at}
+                fires.append(
+                    ScheduleFire(
+                        e.schedule.name,
+                        row,
+                        [(k, {**detail, **tag}) for k, detail in history],
+                        last_nominal=n,
+                        records=[FireRecord(now, kind, nominal=n, workflow_id=row.id)],
+                    )
+                )
+            created = await self._store.schedule_fire_many(fires)
+            written.update(row.id for row, _ in rows)
+            return created
+
+        written: set[str] = set()
+        results = await self._start_many(starts, create=create)
+        failed: list[tuple[Entry, Exception]] = []
+        for (wid, (e, n, kind, _)), result in zip(about.items(), results, strict=True):
+            if wid in written:  # even if its start failed after the write, the fire is spent
+                e.last = max(e.last, n)
+                if e.last_workflow_id is not None:
+                    self._last_of.pop(e.last_workflow_id, None)
+                e.last_workflow_id, e.last_fire_at, e.fired_at = wid, now, now
+                e.last_ended, self._last_of[wid] = False, e
+            if isinstance(result, Exception):
+                failed.append((e, result))
+                continue
+            self._count(e.schedule.name, kind)
+            log.info(
+                "schedule_fired",
+                schedule=e.schedule.name,
+                workflow_id=wid,
+                workflow=e.schedule.workflow,
+                kind=kind,
+                late_s=round(now - n, 3),
+                created=result.get("created"),
+            )
+        return failed

@@ -6,7 +6,7 @@ import builtins
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Protocol
 
@@ -44,6 +44,8 @@ SUMMARY_SLICE = 100
 log = structlog.get_logger()
 #: Writes a new workflow's row (and whatever must commit with it); False if the id exists.
 Create = Callable[[WorkflowRow, History], Awaitable[bool]]
+#: Writes many new workflows' rows at once; True for each inserted (False: the id exists).
+CreateMany = Callable[[Sequence[tuple[WorkflowRow, History]]], Awaitable[builtins.list[bool]]]
 
 
 class LogSource(Protocol):
@@ -262,6 +264,56 @@ class Runtime:
         the workflow whose Child case starts it; `timeout_s` overrides the class's deadline.
         """
         self._check_open()
+        loaded, row, history = self._new_row(workflow, workflow_id, input, parent, timeout_s)
+        if not await (create or self.store.create)(row, history):
+            return await self._existing(row.id, workflow)
+        return self._launch(loaded, row)
+
+    async def start_many(
+        self, starts: Sequence[tuple[str, str, dict[str, Any] | None]], *, create: CreateMany
+    ) -> builtins.list[dict[str, Any] | Exception]:
+        """Start many workflows (type, id, input) with one write; one answer or error each.
+
+        A start that cannot be made (an unknown type, bad input) gets its error and stays out
+        of the write; the others go on. `create` writes the new rows at once, as `start`'s
+        `create` does one, and says which were inserted; if it raises, so does this.
+        """
+        self._check_open()
+        # Every slot is filled below: with its error here, or with its answer after the write.
+        out: builtins.list[dict[str, Any] | Exception] = [{}] * len(starts)
+        made: builtins.list[tuple[int, Loaded, WorkflowRow, str]] = []
+        rows: builtins.list[tuple[WorkflowRow, History]] = []
+        for i, (workflow, wid, input) in enumerate(starts):
+            try:
+                loaded, row, history = self._new_row(workflow, wid, input, None, None)
+            except Exception as e:  # noqa: BLE001 - answered to its caller, the others go on
+                out[i] = e
+                continue
+            made.append((i, loaded, row, workflow))
+            rows.append((row, history))
+        if not rows:
+            return out
+        created = await create(rows)
+        for (i, loaded, row, workflow), inserted in zip(made, created, strict=True):
+            try:
+                out[i] = (
+                    self._launch(loaded, row)
+                    if inserted
+                    else await self._existing(row.id, workflow)
+                )
+            except Exception as e:  # noqa: BLE001 - answered to its caller, the others go on
+                out[i] = e
+        return out
+
+    def _new_row(
+        self,
+        workflow: str,
+        workflow_id: str | None,
+        input: dict[str, Any] | None,
+        parent: str | None,
+        timeout_s: float | None,
+    ) -> tuple[Loaded, WorkflowRow, History]:
+        """Make a new workflow's row and its first history entry, not yet written."""
         cls = self.cache.workflow_type(workflow)
         wid = workflow_id or uuid.uuid4().hex
         wf = cls.from_input(input)
@@ -287,21 +339,28 @@ class Runtime:
             started["parent"] = parent
         if deadline is not None:
             started["deadline"] = deadline
-        if not await (create or self.store.create)(row, [("started", started)]):
-            existing = await self.store.get(wid)
-            if existing is None:  # deleted in between; vanishingly rare
-                raise Conflict(f"workflow {wid!r} changed while starting; try again")
-            if existing.name != workflow:
-                raise Conflict(
-                    f"workflow {wid!r} exists and is {_a(existing.name)}, not {_a(workflow)}"
-                )
-            return {"workflow_id": wid, "status": existing.status, "created": False}
-        log.info("workflow_started", workflow_id=wid, workflow=workflow, parent=parent)
-        if deadline is not None:
-            self.deadlines.add(wid, deadline)
-        self.cache.remember(Loaded(wf, state))
+        return Loaded(wf, state), row, [("started", started)]
+
+    async def _existing(self, wid: str, workflow: str) -> dict[str, Any]:
+        """Answer a start whose id exists: unchanged if of the same type, else a conflict."""
+        existing = await self.store.get(wid)
+        if existing is None:  # deleted in between; vanishingly rare
+            raise Conflict(f"workflow {wid!r} changed while starting; try again")
+        if existing.name != workflow:
+            raise Conflict(
+                f"workflow {wid!r} exists and is {_a(existing.name)}, not {_a(workflow)}"
+            )
+        return {"workflow_id": wid, "status": existing.status, "created": False}
+
+    def _launch(self, loaded: Loaded, row: WorkflowRow) -> dict[str, Any]:
+        """Run a workflow whose row was just written."""
+        wid = row.id
+        log.info("workflow_started", workflow_id=wid, workflow=row.name, parent=row.parent)
+        if row.deadline is not None:
+            self.deadlines.add(wid, row.deadline)
+        self.cache.remember(loaded)
         self.scheduler.submit(wid, Item("resume"))
-        return {"workflow_id": wid, "status": state.status.value, "created": True}
+        return {"workflow_id": wid, "status": loaded.state.status.value, "created": True}
 
     async def send(
         self,

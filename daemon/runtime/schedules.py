@@ -22,10 +22,20 @@ import anyio.abc
 import structlog
 
 from daemon.clock import Clock
-from daemon.core.schedule import Schedule, plan
+from daemon.core.schedule import Plan, Schedule, plan
 from daemon.errors import ScheduleNotFound
 from daemon.observe.metrics import Metrics
-from daemon.runtime.fires import SPACING_S, Cancel, Entry, Firer, Running, Start, Status, never
+from daemon.runtime.fires import (
+    SPACING_S,
+    Cancel,
+    Entry,
+    Firer,
+    Running,
+    Start,
+    StartMany,
+    Status,
+    never,
+)
 from daemon.store.base import Store
 
 log = structlog.get_logger()
@@ -43,6 +53,9 @@ HOLD_RECHECK_S = 1.0
 #: the store together (one group commit), and handing one to a waiting task costs a fraction
 #: of starting a task for it.
 MAX_WORKERS = 4096
+#: On-time fires due in one loop turn go to the store together, this many per transaction:
+#: one write a batch instead of one a fire, and the first ones commit while the rest are made.
+BATCH_MAX = 500
 RETRY_INITIAL_S, RETRY_MAX_S = 1.0, 60.0
 
 
@@ -63,6 +76,7 @@ class Schedules:
         grace_s: float = LATE_GRACE_S,
         spacing_s: float = SPACING_S,
         metrics: Metrics | None = None,
+        start_many: StartMany | None = None,
     ) -> None:
         self._store, self._clock, self._status, self._held = store, clock, status, held
         self._grace = grace_s
@@ -76,6 +90,7 @@ class Schedules:
             running=running,
             spacing_s=spacing_s,
             metrics=metrics,
+            start_many=start_many,
         )
         self._wanted: dict[str, Schedule] = dict(schedules or {})
         self._changed = True
@@ -135,11 +150,28 @@ class Schedules:
                     await self._nap(self._clock.now() + delay)
                     continue
             now = self._clock.now()
+            batch: list[tuple[Entry, Plan]] = []
             while self._heap and self._heap[0][0] <= now:
                 _, token, name = heapq.heappop(self._heap)
                 e = self._entries.get(name)
-                if e is not None and e.token == token:
-                    self._step(e, now)
+                if e is None or e.token != token:
+                    continue
+                p = self._step(e, now)
+                if p is None:
+                    continue
+                await e.lock.acquire()  # free (`_step` checked), so this rarely waits
+                if e.paused or e.token != token or not self._fires.batchable(e, p):
+                    # A pause, resume (a new token) or trigger got the lock first: decide
+                    # again, alone.
+                    e.lock.release()
+                    self._hand(e)
+                else:
+                    batch.append((e, p))
+                    if len(batch) >= BATCH_MAX:
+                        self._spawn(self._fire_batch, batch)
+                        batch = []
+            if batch:
+                self._spawn(self._fire_batch, batch)
             deadline = min(self._heap[0][0] if self._heap else math.inf, now + MAX_SLEEP_S)
             await self._nap(deadline)
 
@@ -196,26 +228,70 @@ class Schedules:
             for e in self._entries.values():
                 e.live_since = max(e.live_since, now)
 
-    def _step(self, e: Entry, now: float) -> None:
-        """Hand a due schedule to a task, or put it back for when it is due."""
+    def _step(self, e: Entry, now: float) -> Plan | None:
+        """Hand a due schedule to a task, or put it back for when it is due.
+
+        A plain on-time start whose lock is free is returned instead, to go in a batch.
+        """
         if e.busy or e.paused:
-            return
+            return None
         if self._held():
             e.held = True
             self._push(e, now + HOLD_RECHECK_S)
-            return
+            return None
         if e.held:  # released from `--hold`: what came due meanwhile was missed
             e.held, e.live_since = False, max(e.live_since, now)
-        at = e.due_at(e.plan(now), self._fires.spacing_s)
+        p = e.plan(now)
+        at = e.due_at(p, self._fires.spacing_s)
         if at > now and not e.release_due:
             self._push(e, at)
-            return
+            return None
         e.busy = True
+        if not e.lock.locked() and self._fires.batchable(e, p):
+            return p
+        self._hand(e)
+        return None
+
+    def _hand(self, e: Entry) -> None:
+        """Queue a busy schedule for a worker task, starting one if none is idle."""
         self._ready.put_nowait(e)
         if self._ready.qsize() > self._idle and self._workers < MAX_WORKERS:
-            assert self._tg is not None
             self._workers += 1
-            self._tg.start_soon(self._worker)
+            self._spawn(self._worker)
+
+    def _spawn(self, fn: Callable[..., Any], *args: Any) -> None:
+        assert self._tg is not None
+        self._tg.start_soon(fn, *args)
+
+    async def _fire_batch(self, batch: builtins.list[tuple[Entry, Plan]]) -> None:
+        """Fire a batch in one write (its locks are held); a failed write fires each alone."""
+        try:
+            failed = await self._fires.fire_many(batch)
+        except Exception as ex:  # noqa: BLE001 - e.g. disk full: each is tried on its own
+            log.warning(
+                "schedule_batch_failed", count=len(batch), error=f"{type(ex).__name__}: {ex}"
+            )
+            for e, _ in batch:
+                e.lock.release()
+                self._hand(e)  # still busy: a worker takes it, and backs off if it fails too
+            return
+        except BaseException:  # cancelled (shutdown): a waiting pause or trigger still gets in
+            for e, _ in batch:
+                e.lock.release()
+                e.busy = False
+            raise
+        errors = {id(e): error for e, error in failed}
+        now = self._clock.now()
+        for e, _ in batch:
+            e.lock.release()
+            e.busy = False
+            error = errors.get(id(e))
+            if error is not None:
+                self._failed(e, error)
+                continue
+            e.failures = 0
+            # Put back for when it is due next (planned again then, as it is popped).
+            self._push(e, now if e.release_due else e.due_at(e.plan(now), self._fires.spacing_s))
 
     async def _worker(self) -> None:
         while True:
@@ -234,17 +310,21 @@ class Schedules:
             e.failures = 0
             self._push(e, self._clock.now())  # plan again at once
         except Exception as ex:  # noqa: BLE001 - a failed fire is retried, never ends the loop
-            e.failures += 1
-            delay = _backoff(e.failures)
-            log.error(
-                "schedule_fire_failed",
-                schedule=e.schedule.name,
-                error=f"{type(ex).__name__}: {ex}",
-                retry_in_s=delay,
-            )
-            self._push(e, self._clock.now() + delay)
+            self._failed(e, ex)
         finally:
             e.busy = False
+
+    def _failed(self, e: Entry, ex: Exception) -> None:
+        """Log a failed fire and try it again after a backoff."""
+        e.failures += 1
+        delay = _backoff(e.failures)
+        log.error(
+            "schedule_fire_failed",
+            schedule=e.schedule.name,
+            error=f"{type(ex).__name__}: {ex}",
+            retry_in_s=delay,
+        )
+        self._push(e, self._clock.now() + delay)
 
     # -- what the control socket calls ------------------------------------------------------
 

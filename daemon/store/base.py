@@ -91,6 +91,18 @@ class FireRecord:
     count: int = 1
 
 
+@dataclass(slots=True)
+class ScheduleFire:
+    """One schedule's fire in a batch: the workflow it creates and how the schedule advances."""
+
+    name: str
+    row: WorkflowRow
+    history: History = ()
+    last_nominal: float | None = None
+    clear_buffered: bool = False
+    records: Sequence[FireRecord] = ()
+
+
 class Store(Protocol):
     """Durable workflows, their history and the inbox of acknowledged callbacks."""
 
@@ -216,6 +228,14 @@ class Store(Protocol):
         records: Sequence[FireRecord] = (),
     ) -> bool:
         """Create a schedule's workflow and advance the schedule at once; False if the id exists."""
+        ...
+
+    async def schedule_fire_many(self, fires: Sequence[ScheduleFire]) -> builtins.list[bool]:
+        """Do `schedule_fire` for each of `fires`, all in one transaction; True where inserted.
+
+        The records' `at` is stamped as the transaction is written, so it tells when the fire
+        was committed, not when it was asked for.
+        """
         ...
 
     async def schedule_note(

@@ -25,6 +25,7 @@ from daemon.store.base import (
     HistoryRow,
     InboxRow,
     Position,
+    ScheduleFire,
     ScheduleRow,
     WorkflowRow,
 )
@@ -482,6 +483,60 @@ class PostgresStore:
         created: bool = await self._writes.submit(apply)
         return created
 
+    async def schedule_fire_many(self, fires: Sequence[ScheduleFire]) -> builtins.list[bool]:
+        """Insert each fire's workflow and advance its schedule, all in one transaction.
+
+        An existing id is left as is and its schedule still advances; True where inserted.
+        The records' `at` is stamped inside the transaction: when the fire was committed.
+        A batch is a few statements over arrays (`unnest`), not a few per fire.
+        """
+        clock = get_clock()
+        now = clock.now()
+        rows = [self._insert_params(f.row, len(f.history), now) for f in fires]
+        columns: builtins.list[builtins.list[Any]] = [
+            builtins.list(c) for c in zip(*rows, strict=True)
+        ]
+        history = [
+            (f.row.id, i + 1, now, kind, to_json(detail))
+            for f in fires
+            for i, (kind, detail) in enumerate(f.history)
+        ]
+        advance = (
+            [f.name for f in fires],
+            [f.row.id for f in fires],
+            [f.last_nominal for f in fires],
+            [f.clear_buffered for f in fires],
+            [len(f.records) for f in fires],
+        )
+
+        async def apply(conn: Conn) -> builtins.list[bool]:
+            stamp = clock.now()
+            made = {r[0] for r in await conn.fetch(_INSERT_WORKFLOWS, *columns)}
+            new = [h for h in history if h[0] in made]
+            if new:
+                await conn.execute(_INSERT_HISTORIES, *map(builtins.list, zip(*new, strict=True)))
+            seqs = {r[0]: r[1] for r in await conn.fetch(_ADVANCE_MANY, *advance, now)}
+            fired, trims = [], []
+            for f in fires:
+                last = seqs.get(f.name)
+                if last is None:
+                    raise ScheduleNotFound(f"no schedule {f.name!r}")
+                first = last - len(f.records) + 1
+                fired += [
+                    (f.name, first + i, stamp, r.kind, r.nominal, r.workflow_id, r.reason, r.count)
+                    for i, r in enumerate(f.records)
+                ]
+                if last > FIRES_KEPT and (first - 1) // TRIM_EVERY != last // TRIM_EVERY:
+                    trims.append((f.name, last - FIRES_KEPT))
+            if fired:
+                await conn.execute(_INSERT_FIRES, *map(builtins.list, zip(*fired, strict=True)))
+            if trims:
+                await conn.execute(_TRIM_MANY, *map(builtins.list, zip(*trims, strict=True)))
+            return [f.row.id in made for f in fires]
+
+        created: builtins.list[bool] = await self._writes.submit(apply)
+        return created
+
     async def schedule_note(
         self,
         name: str,
@@ -565,3 +620,39 @@ async def _release(conn: Conn, lease: Lease) -> None:
     """Hand the lease on at a clean stop; a connection gone already has released it too."""
     with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
         await lease.release(conn)
+
+
+# -- schedules: many fires, each statement over arrays ----------------------------------------
+
+_INSERT_WORKFLOWS = (
+    f"INSERT INTO workflows ({schema.COLS}, history_seq)"
+    " SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],"
+    " $6::text[], $7::int[], $8::float8[], $9::float8[], $10::float8[], $11::text[],"
+    " $12::float8[], $13::bigint[])"
+    " ON CONFLICT (id) DO NOTHING RETURNING id"
+)
+_INSERT_HISTORIES = (
+    "INSERT INTO history (workflow_id, seq, at, kind, detail)"
+    " SELECT * FROM unnest($1::text[], $2::bigint[], $3::float8[], $4::text[], $5::text[])"
+)
+#: As `_advance` does for one: the newest `last_nominal` wins, `fire_seq` counts the records.
+_ADVANCE_MANY = """
+    UPDATE schedules AS s SET
+        last_workflow_id = u.wid, last_fire_at = $6,
+        last_nominal = GREATEST(s.last_nominal, COALESCE(u.nominal, s.last_nominal)),
+        buffered = CASE WHEN u.clear THEN NULL ELSE s.buffered END,
+        fire_seq = s.fire_seq + u.n
+    FROM unnest($1::text[], $2::text[], $3::float8[], $4::bool[], $5::int[])
+        AS u(name, wid, nominal, clear, n)
+    WHERE s.name = u.name
+    RETURNING s.name, s.fire_seq
+"""
+_INSERT_FIRES = (
+    "INSERT INTO schedule_fires (schedule, seq, at, kind, nominal, workflow_id, reason, count)"
+    " SELECT * FROM unnest($1::text[], $2::bigint[], $3::float8[], $4::text[], $5::float8[],"
+    " $6::text[], $7::text[], $8::int[])"
+)
+_TRIM_MANY = (
+    "DELETE FROM schedule_fires AS f USING unnest($1::text[], $2::bigint[]) AS t(name, upto)"
+    " WHERE f.schedule = t.name AND f.seq <= t.upto"
+)

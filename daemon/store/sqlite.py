@@ -34,6 +34,7 @@ from daemon.store.base import (
     HistoryRow,
     InboxRow,
     Position,
+    ScheduleFire,
     ScheduleRow,
     SleepingState,
     WorkflowRow,
@@ -521,6 +522,78 @@ class SQLiteStore:
         created: bool = await self._writes.submit(apply)
         return created
 
+    async def schedule_fire_many(self, fires: Sequence[ScheduleFire]) -> builtins.list[bool]:
+        """Insert each fire's workflow and advance its schedule, all in one transaction.
+
+        An existing id is left as is and its schedule still advances; True where inserted.
+        The records' `at` is stamped inside the transaction: when the fire was committed.
+        """
+        clock = get_clock()
+        now = clock.now()
+        work = []
+        for f in fires:
+            row = f.row
+            entries = [(now, kind, schema.to_json(detail)) for kind, detail in f.history]
+            params = (
+                row.id, row.name, row.status, row.data, row.state, row.error, row.attempt,
+                row.next_run_at, row.created_at or now, row.updated_at or now, row.parent,
+                row.deadline, len(entries),
+            )  # fmt: skip
+            sets: dict[str, Any] = {"last_workflow_id": row.id, "last_fire_at": now}
+            if f.last_nominal is not None:
+                sets["last_nominal"] = f.last_nominal
+            if f.clear_buffered:
+                sets["buffered"] = None
+            work.append((f, params, entries, sets))
+
+        def apply(conn: sqlite3.Connection) -> builtins.list[bool]:
+            stamp = clock.now()
+            ids = [f.row.id for f, *_ in work]
+            existing = {
+                r[0] for r in _in_chunks(conn, "SELECT id FROM workflows WHERE id IN ({})", ids)
+            }
+            created = [wid not in existing for wid in ids]
+            conn.executemany(
+                schema.INSERT_WORKFLOW,
+                [w[1] for w, made in zip(work, created, strict=True) if made],
+            )
+            conn.executemany(
+                schema.INSERT_HISTORY,
+                [
+                    (f.row.id, i + 1, *e)
+                    for (f, _, entries, _), made in zip(work, created, strict=True)
+                    if made
+                    for i, e in enumerate(entries)
+                ],
+            )
+            # One UPDATE statement for each set of columns (a batch mostly has one).
+            updates: dict[tuple[str, ...], builtins.list[tuple[Any, ...]]] = {}
+            for f, _, _, sets in work:
+                updates.setdefault(tuple(sets), []).append((*sets.values(), len(f.records), f.name))
+            for columns, rows in updates.items():
+                conn.executemany(_advance_sql(columns), rows)
+            names = [f.name for f, *_ in work]
+            sql = "SELECT name, fire_seq FROM schedules WHERE name IN ({})"
+            seqs = dict(_in_chunks(conn, sql, names))
+            fired, trims = [], []
+            for f, *_ in work:
+                last = seqs.get(f.name)
+                if last is None:
+                    raise ScheduleNotFound(f"no schedule {f.name!r}")
+                first = last - len(f.records) + 1
+                fired += [
+                    (f.name, first + i, stamp, r.kind, r.nominal, r.workflow_id, r.reason, r.count)
+                    for i, r in enumerate(f.records)
+                ]
+                if last > schema.FIRES_KEPT and (first - 1) // TRIM_EVERY != last // TRIM_EVERY:
+                    trims.append((f.name, last - schema.FIRES_KEPT))
+            conn.executemany(schema.INSERT_FIRE, fired)
+            conn.executemany(schema.TRIM_FIRES, trims)
+            return created
+
+        created: builtins.list[bool] = await self._writes.submit(apply)
+        return created
+
     async def schedule_note(
         self,
         name: str,
@@ -630,3 +703,19 @@ class SQLiteStore:
             if len(rows) < page:
                 return
             after = rows[-1][0]
+
+
+def _in_chunks(conn: sqlite3.Connection, sql: str, keys: Sequence[str]) -> builtins.list[Any]:
+    """Run `sql` (its `IN ({})` filled with marks) over `keys`, under SQLite's parameter limit."""
+    rows: builtins.list[Any] = []
+    for i in range(0, len(keys), 500):
+        chunk = keys[i : i + 500]
+        rows += conn.execute(sql.format(", ".join("?" * len(chunk))), chunk).fetchall()
+    return rows
+
+
+@functools.cache
+def _advance_sql(columns: tuple[str, ...]) -> str:
+    """Return the UPDATE that advances a schedule's row: these columns, then `fire_seq`."""
+    sets = [f"{c} = MAX({c}, ?)" if c == "last_nominal" else f"{c} = ?" for c in columns]
+    return f"UPDATE schedules SET {', '.join([*sets, 'fire_seq = fire_seq + ?'])} WHERE name = ?"

@@ -1,10 +1,14 @@
 """Schedule benchmark: many `every=1` schedules in a real workflowd; how late their fires are.
 
-Each schedule (`overlap="allow"`) starts a `Stamp` workflow whose first (async) step stores
-`time.time()`. Two latenesses per fire, against its nominal time: `fire_late` when the firing
-loop handed the start to the store (the time in the fire's record), and `start_late` when the
-workflow's first step ran (the commit, the actor and the resume included). The daemon's CPU is
-read from /proc over the measured window and divided by the fires made meanwhile.
+Each schedule (`overlap="allow"`) starts a `Stamp` workflow: one async step that stores
+`time.time()`, and it is done (the least a fired workflow can do, so the figures are the
+schedule's and the start's, not the workflow's). Two latenesses per fire, against its nominal
+time: `fire_late` when the fire was committed (the fire record's time, stamped inside the
+transaction that creates the workflow, advances the schedule and keeps the record), and
+`start_late` when the workflow's step ran (the actor and the resume included). The daemon's
+CPU is read from /proc over the measured window and divided by the fires made meanwhile: the
+fire and its workflow's run together. `measure_firing` measures the fire alone, in-process
+with the workflows held; the difference is the cost of one fired workflow's run.
 """
 
 from __future__ import annotations
@@ -17,15 +21,25 @@ from typing import Any
 
 import anyio
 
+from daemon import Schedule
+from daemon.clock import SystemClock
+from daemon.observe.metrics import Metrics
+from daemon.runtime.runtime import Runtime
+from daemon.runtime.schedules import Schedules
+from daemon.runtime.settings import Settings
+from daemon.store.sqlite import SQLiteStore
 from tests.helpers.harness import REPO
 
-from .common import bench_daemon, cpu_s, percentile, query
+from .bench_workflows import Stamp
+from .common import bench_daemon, cpu_s, percentile, production_logging, query
 
 SCHEDULES = 10_000
 EVERY_S = 1.0
 #: Nominal times measured: every fire of every schedule due in this many seconds.
 WINDOW_S = 5.0
 TARGET_P99_MS = 50.0
+#: The schedules' own CPU per fire that lets 10,000 fires a second fit in one core with room.
+FIRE_TARGET_US = 100.0
 #: Seconds without a window fire finishing after which the measurement ends with what it has.
 STALL_S = 30.0
 _MODULE = "bench_schedules_mod"
@@ -58,6 +72,11 @@ async def _until_done(db: Path, window: tuple[float, float], want: int) -> None:
         elif time.monotonic() - moved > STALL_S:
             return  # reported as `fires` below, fewer than the window holds
         await anyio.sleep(0.05)
+
+
+def _late(values: list[float], p: float) -> float:
+    """Return the p-th percentile in ms, or NaN (null) when none came (see `fires`)."""
+    return round(percentile(values, p), 2) if values else math.nan
 
 
 def _figure(metric: str, value: float, target: float | None, **context: Any) -> dict[str, Any]:
@@ -105,7 +124,7 @@ async def measure(
         *(
             _figure(
                 f"{name}{label}_p{p}_ms",
-                round(percentile(values, p), 2),
+                _late(values, p),
                 TARGET_P99_MS if (name, p) == ("fire_late", 99) else None,
                 **ctx,
             )
@@ -116,7 +135,81 @@ async def measure(
     ]
 
 
+async def measure_firing(
+    tmp: Path,
+    schedules: int = SCHEDULES,
+    every_s: float = EVERY_S,
+    window_s: float = WINDOW_S,
+    cache_loggers: bool = True,
+    batched: bool = True,
+) -> list[dict[str, Any]]:
+    """Measure the schedules' own part of a fire, in this process, with no workflow run.
+
+    The real firing loop, runtime start path and SQLite store (synchronous=normal), logging
+    as workflowd does, but the runtime holds every workflow it starts (`--hold` for the
+    workflows, not the schedules): a fire costs its plan, its batch, its rows' write, its two
+    log lines, and the start up to the point where the workflow would run. Process CPU (every
+    thread) over the window, divided by the fires made meanwhile. `batched=False` fires each
+    schedule on its own (one start and one write a fire), for comparison.
+    """
+    await anyio.Path(tmp).mkdir(parents=True, exist_ok=True)
+    clock = SystemClock()
+    made = {f"b{i:05d}": Schedule(f"b{i:05d}", "Stamp", every=every_s, overlap="allow")
+            for i in range(schedules)}  # fmt: skip
+    settings = Settings(hold=True, cache_size=schedules * 4)
+    metrics = Metrics("bench")
+    with production_logging(cache_loggers):  # cached, as workflowd does (False in a test)
+        async with (
+            SQLiteStore.open(tmp / "wd.db", metrics=metrics) as store,
+            Runtime.open(store, {"Stamp": Stamp}, settings, clock=clock, metrics=metrics) as rt,
+            anyio.create_task_group() as tg,
+        ):
+            loop = Schedules(store=store, clock=clock, start=rt.start, cancel=rt.cancel,
+                             status=rt.status_of, schedules=made, metrics=metrics,
+                             start_many=rt.start_many if batched else None)  # fmt: skip
+            await tg.start(loop.run)
+            first = math.ceil((time.time() + 1.0) / every_s) * every_s
+            window = (first, first + window_s - every_s / 2)
+            await anyio.sleep(max(0.0, first - time.time() - 0.1))
+            cpu, began = time.process_time(), time.time()
+            # To the end of the window's last interval: CPU and fires over the same span.
+            await anyio.sleep(max(0.0, first + window_s - time.time()))
+            cpu, ended = time.process_time() - cpu, time.time()
+            db = tmp / "wd.db"
+            want = schedules * math.floor(window_s / every_s + 1e-9)
+            in_window = "SELECT nominal, at FROM schedule_fires WHERE nominal BETWEEN ? AND ?"
+            rows = query(db, in_window, window)
+            for _ in range(int(STALL_S / 0.2)):  # a loop behind: its window's fires come later
+                if len(rows) >= want:
+                    break
+                await anyio.sleep(0.2)
+                rows = query(db, in_window, window)
+            tg.cancel_scope.cancel()
+    ((count,),) = query(
+        db, "SELECT COUNT(*) FROM schedule_fires WHERE at BETWEEN ? AND ?", (began, ended)
+    )
+    late = [(at - nominal) * 1000 for nominal, at in rows]
+    ctx = {"schedules": schedules, "every_s": every_s, "window_s": window_s, "due": want,
+           "fires": len(rows), "mode": "in-process, workflows held"}  # fmt: skip
+    return [
+        *(_figure(f"fire_only_late_p{p}_ms", _late(late, p), None, **ctx) for p in (50, 99)),
+        _figure("cpu_per_fire_us", round(cpu / max(1, count) * 1e6), FIRE_TARGET_US, **ctx),
+    ]
+
+
 async def run(tmp: Path, schedules: int = SCHEDULES) -> list[dict[str, Any]]:
-    """Measure a tenth of the schedules (a load the daemon keeps up with), then all of them."""
+    """Measure a tenth of the schedules (a load the daemon keeps up with), then all of them,
+    then the fires alone; the difference is what each fired workflow's run costs."""
     moderate = await measure(tmp / "moderate", max(1, schedules // 10), label="_moderate")
-    return [*moderate, *await measure(tmp / "full", schedules)]
+    full = await measure(tmp / "full", schedules)
+    firing = await measure_firing(tmp / "firing", schedules)
+    (total,) = (f for f in full if f["metric"] == "daemon_cpu_per_fire_us")
+    (alone,) = (f for f in firing if f["metric"] == "cpu_per_fire_us")
+    run_cost = _figure(
+        "cpu_per_fired_run_us",
+        total["value"] - alone["value"],
+        None,
+        schedules=schedules,
+        mode="daemon_cpu_per_fire_us minus cpu_per_fire_us",
+    )
+    return [*moderate, *full, *firing, run_cost]

@@ -80,6 +80,8 @@ async def bench(
             held=lambda: b.held[0],
             schedules={s.name: s for s in schedules},
             grace_s=grace_s,
+            # A start of the test's own makes every fire take the one-at-a-time path.
+            start_many=None if start else rt.start_many,
         )
         rt.on_exit = b.schedules.workflow_exited
         await tg.start(b.schedules.run)
@@ -416,3 +418,65 @@ class TestAtomicFire:
             assert not await store.schedule_fire("real", row, history, last_nominal=T0)
             (state,) = await store.schedules_load(["real"], T0 + 99)
             assert state.last_nominal == T0 + 1
+
+
+class TestBatch:
+    """Fires due in one loop turn share one write; a fault in one stays its own."""
+
+    async def test_due_together_fire_together(self, tmp_path: Path) -> None:
+        """Schedules due at one instant are written in one batch: one commit stamp for all."""
+        many = [Schedule(f"t{i}", "Chime", every=10) for i in range(20)]
+        async with bench(tmp_path / "db", *many) as b:
+            calls: list[int] = []
+            real = b.store.schedule_fire_many
+
+            async def counted(fires: Any) -> list[bool]:
+                calls.append(len(fires))
+                return await real(fires)
+
+            b.store.schedule_fire_many = counted  # type: ignore[method-assign]
+            await b.to(T0 + 10)
+            for s in many:
+                assert await fired_ids(b, s.name, 1) == [workflow_id(s.name, T0 + 10)]
+            assert calls == [20]
+            stamps = {(await b.fires(s.name))[0].at for s in many}
+            assert len(stamps) == 1
+
+    async def test_one_bad_start_does_not_hold_the_others(self, tmp_path: Path) -> None:
+        """A start that cannot be made (input the type lacks) fails alone and is retried."""
+        bad = Schedule("bad", "Chime", every=10, input={"no_such_field": 1})
+        good = Schedule("good", "Chime", every=10)
+        async with bench(tmp_path / "db", bad, good) as b:
+            await b.to(T0 + 10)
+            assert await fired_ids(b, "good", 1) == [workflow_id("good", T0 + 10)]
+            await b.to(T0 + 30)
+            assert await fired_ids(b, "good", 3) == [
+                workflow_id("good", T0 + k) for k in (10, 20, 30)
+            ]
+            assert await b.fires("bad") == []  # not advanced: each retry tries 10 s again
+            (state,) = await b.store.schedules_load(["bad"], T0)
+            assert state.last_nominal == T0
+
+    async def test_a_failed_batch_write_fires_each_alone(self, tmp_path: Path) -> None:
+        """If the batch's write fails, each fire is tried on its own at once; none is lost."""
+        many = [Schedule(f"w{i}", "Chime", every=10) for i in range(5)]
+        async with bench(tmp_path / "db", *many) as b:
+            failed: list[int] = []
+            real = b.store.schedule_fire_many
+
+            async def once_broken(fires: Any) -> list[bool]:
+                if not failed:
+                    failed.append(len(fires))
+                    raise OSError("disk full")
+                return await real(fires)
+
+            b.store.schedule_fire_many = once_broken  # type: ignore[method-assign]
+            await b.to(T0 + 10)
+            for s in many:
+                assert await fired_ids(b, s.name, 1) == [workflow_id(s.name, T0 + 10)]
+            assert failed == [5]
+            await b.to(T0 + 20)  # the next ones go in a batch again
+            for s in many:
+                assert await fired_ids(b, s.name, 2) == [
+                    workflow_id(s.name, T0 + k) for k in (10, 20)
+                ]

@@ -1,0 +1,109 @@
+"""Many schedules due at once in a real `workflowd`: one write for their fires, and across a
+SIGKILL still exactly one workflow per schedule and nominal time.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from tests.helpers.harness import running_daemon
+from tests.helpers.wait import eventually
+from tests.workflows.schedules import SCHEDULES_ENV
+
+MODULES = ["tests.workflows.schedules"]
+#: Schedules every second, all due at the same instants.
+MANY = 300
+
+
+def env_of(*schedules: dict[str, Any]) -> dict[str, str]:
+    """Return the daemon environment that gives it these schedules (Schedule keyword args)."""
+    return {SCHEDULES_ENV: json.dumps(list(schedules))}
+
+
+def every_second(name: str, **more: Any) -> dict[str, Any]:
+    """A Chime every second; overlap allowed, so each second starts one whatever ran before."""
+    return {"name": name, "workflow": "Chime", "every": 1, "overlap": "allow", **more}
+
+
+def query(db: Path, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
+    """Read the daemon's database on a connection of this test's own (WAL: no lock taken)."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+    try:
+        return conn.execute(sql, params).fetchall()
+    finally:
+        conn.close()
+
+
+def fired(db: Path) -> list[tuple[str, float, float, str]]:
+    """Return every start record: schedule, nominal time, when it was committed, workflow id."""
+    return query(
+        db,
+        "SELECT schedule, nominal, at, workflow_id FROM schedule_fires"
+        " WHERE kind IN ('fired', 'caught_up')",
+    )
+
+
+async def wait_all_fired(db: Path, after: float, n: int) -> float:
+    """Wait until every schedule fired `n` nominal times after `after`; return the first one."""
+
+    async def done() -> bool:
+        per = Counter(nominal for _, nominal, _, _ in fired(db) if nominal > after)
+        return len(per) >= n and all(per[t] == MANY for t in sorted(per)[:n])
+
+    await eventually(done, limit_s=60)
+    return min(nominal for _, nominal, _, _ in fired(db) if nominal > after)
+
+
+class TestManyAtOnce:
+    async def test_fires_due_together_commit_together(self, tmp_path: Path) -> None:
+        """The fires of one nominal time commit in one transaction (one stamp), not one each."""
+        env = env_of(*(every_second(f"m{i:03d}") for i in range(MANY)))
+        async with running_daemon(tmp_path, MODULES, env=env) as d:
+            db = d.tmp / "wd.db"
+            # The first fires after start may have met the load; a later second is steady.
+            first = await wait_all_fired(db, time.time() + 1, 1)
+            rows = [r for r in fired(db) if r[1] == first]
+            assert len(rows) == MANY and len({r[0] for r in rows}) == MANY
+            stamps = {at for _, _, at, _ in rows}
+            assert len(stamps) == 1, f"{len(stamps)} commit stamps for {MANY} fires due at once"
+            (stamp,) = stamps
+            assert stamp >= first  # committed at or after its nominal time, never before
+
+    async def test_kill_during_a_batch(self, tmp_path: Path) -> None:
+        """Killed while many fires are written, each schedule still starts each nominal time
+        exactly once, with no gap, and every record names a workflow that exists."""
+        env = env_of(*(every_second(f"m{i:03d}", catchup="all") for i in range(MANY)))
+        async with running_daemon(tmp_path, MODULES, env=env) as d:
+            db = d.tmp / "wd.db"
+            for offset in (0.0, 0.005, 0.02):
+                await wait_all_fired(db, time.time(), 1)
+                due = int(time.time()) + 1 + offset
+                await anyio.sleep(due - time.time())
+                await d.kill()
+                await d.start()
+            await wait_all_fired(db, time.time() + 1, 2)
+            await d.stop()
+        rows = fired(db)
+        per: dict[str, list[float]] = defaultdict(list)
+        for name, nominal, _, _ in rows:
+            per[name].append(nominal)
+        assert len(per) == MANY
+        for name, nominals in per.items():
+            ordered = sorted(nominals)
+            assert len(set(ordered)) == len(ordered), f"{name} fired a nominal time twice"
+            assert ordered == [float(t) for t in range(int(ordered[0]), int(ordered[-1]) + 1)], (
+                f"{name} lost a fire"
+            )
+        ids = {r[0] for r in query(db, "SELECT id FROM workflows")}
+        assert {wid for *_, wid in rows} <= ids
+        started = query(
+            db, "SELECT workflow_id, COUNT(*) FROM history WHERE kind = 'started' GROUP BY 1"
+        )
+        assert {n for _, n in started} == {1}
