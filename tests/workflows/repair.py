@@ -41,7 +41,7 @@ class Payment(Workflow):
 
 
 @dataclass
-class Gate(Workflow):
+class Turnstile(Workflow):
     """Fails at its check unless `open`, then waits for the signal `go` (for deadlines)."""
 
     open: bool = False
