@@ -53,6 +53,10 @@ class Endings:
         for waker in self._wakers.get(workflow_id, ()):
             waker.wake(workflow_id)
 
+    def waited(self) -> builtins.list[str]:
+        """Return the workflows someone waits on (another daemon may end them, unseen here)."""
+        return builtins.list(self._wakers)
+
     def stop(self) -> None:
         """Answer every wait now (`unavailable`): the daemon is shutting down."""
         self._stopping = True
