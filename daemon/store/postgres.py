@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,12 @@ LISTER_POOL_SIZE = 2
 #: Where `updated_at` is in a row of schema.COLS (a list page's position is made of it).
 UPDATED_AT = [c.strip() for c in schema.COLS.split(",")].index("updated_at")
 Entries = Sequence[tuple[float, str, str]]
+#: Workflows that ended here whose generation is kept for their last writes.
+ENDED_KEPT = 4096
+#: How long (at least; two leases if longer) writes of a workflow lost are refused at once.
+LOST_HOLD_S = 5.0
+#: Lost workflows are forgotten after this long (their copies are long gone).
+LOST_FORGET_S = 3600.0
 #: The channels LISTEN/NOTIFY wakes daemons on (hints only: sweeps catch what is missed).
 WORK, INBOX, REPLY, ENDED = (
     "workflowd_work",
@@ -94,6 +102,12 @@ class PostgresStore:
         self._keep = keep
         #: The workflows this daemon holds the lease of, and the lease's generation.
         self._owned: dict[str, int] = {}
+        #: Workflows that ended here lately, by generation: their last writes (the end is saved
+        #: more than once) need no lease, nor a claim each.
+        self._ended: OrderedDict[str, int] = OrderedDict()
+        #: Workflows whose lease this daemon lost, and when (monotonic): a copy of one still in
+        #: memory (a step that was running) must not take it back for its write.
+        self._lost: dict[str, float] = {}
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -127,13 +141,18 @@ class PostgresStore:
                 args=opened.args, pin_timeout_s=pin_timeout_s,
             )  # fmt: skip
             stack.push_async_callback(_goodbye, pool, opened.node)
+            failure: Exception | None = None
             async with anyio.create_task_group() as tg:
                 tg.start_soon(store._writes.run)
                 try:
                     yield store
+                except Exception as e:  # noqa: BLE001 - raised below, outside the task group
+                    failure = e
                 finally:
                     await store._writes.close()
                     tg.cancel_scope.cancel()
+            if failure is not None:
+                raise failure
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -161,6 +180,11 @@ class PostgresStore:
         It writes only under this daemon's lease of the workflow: one it does not hold is taken
         first if nobody else holds it (a repair, the janitor); otherwise WorkflowLost.
         """
+        lost = self._lost.get(wid)
+        if lost is not None:
+            if time.monotonic() - lost < max(2 * self.node.lease_s, LOST_HOLD_S):
+                raise WorkflowLost(f"another daemon took workflow {wid} over")
+            del self._lost[wid]
         now = get_clock().now()
         kinds = [kind for kind, _ in history]
         details = [to_json(detail) for _, detail in history]
@@ -168,7 +192,7 @@ class PostgresStore:
         extra = (kinds, details, now, self._keep, builtins.list(done))
 
         async def apply(conn: Conn) -> tuple[int, bool] | None:
-            generation, taken = self._owned.get(wid), False
+            generation, taken = self._owned.get(wid) or self._ended.get(wid), False
             if generation is None:
                 generation = await conn.fetchval(
                     schema.CLAIM_ONE, wid, self.holder, self.node.lease_s
@@ -185,14 +209,22 @@ class PostgresStore:
         outcome = await self._writes.submit(apply)
         if outcome is None:
             self._owned.pop(wid, None)
+            self._ended.pop(wid, None)
+            self._lost[wid] = time.monotonic()
             if await self.get(wid) is None:
                 raise WorkflowNotFound(f"no workflow {wid!r}")
             raise WorkflowLost(f"another daemon took workflow {wid} over")
         generation, taken = outcome
         if final:
             self._owned.pop(wid, None)  # an ended workflow needs no lease
-        elif taken:
-            self._owned[wid] = generation
+            self._ended[wid] = generation
+            self._ended.move_to_end(wid)
+            while len(self._ended) > ENDED_KEPT:
+                self._ended.popitem(last=False)
+        else:
+            self._ended.pop(wid, None)
+            if taken:
+                self._owned[wid] = generation
 
     def _insert_params(self, row: WorkflowRow, n_entries: int, now: float) -> tuple[Any, ...]:
         return (
@@ -617,6 +649,7 @@ class PostgresStore:
         claimed = []
         for r in rows:
             self._owned[r[0]] = r[-2]
+            self._lost.pop(r[0], None)
             claimed.append(WorkflowRow(*r[:-2]))
         moved = [r[0] for r in rows if r[-1] is not None and r[-1] != self.node_id]
         return Claimed(claimed, _taken(inbox), moved)
@@ -635,8 +668,12 @@ class PostgresStore:
             await self.node.beat(conn)
         # One claimed again meanwhile (a newer generation) is not lost.
         lost = [w for w, g in held.items() if w not in kept and self._owned.get(w) == g]
+        at = time.monotonic()
         for wid in lost:
             self._owned.pop(wid, None)
+            self._lost[wid] = at
+        for wid in [w for w, t in self._lost.items() if at - t > LOST_FORGET_S]:
+            del self._lost[wid]
         return lost
 
     async def take_inbox(self) -> builtins.list[Taken]:

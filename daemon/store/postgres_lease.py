@@ -90,6 +90,7 @@ class Node:
         await conn.execute(RELEASE_ALL, self.holder)
         await conn.execute(RESIGN, self.holder)
         await conn.execute(GONE, self.holder)
+        await conn.execute("SELECT pg_notify('workflowd_work', '')")
 
 
 @dataclass(frozen=True, slots=True)
