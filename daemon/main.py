@@ -32,7 +32,7 @@ from daemon.http.scrape import metrics_handler
 from daemon.http.server import listening, serve_http
 from daemon.http.token import load_token
 from daemon.identity import refuse_foreign
-from daemon.observe.hooks import Hooks, HookSettings
+from daemon.observe.hooks import HookRow, Hooks, HookSettings
 from daemon.observe.metrics import Metrics
 from daemon.ops.backup import BackupPolicy, Backups
 from daemon.ops.modules import load_registry, schedules_of
@@ -96,6 +96,35 @@ class DaemonOps:
         if isinstance(self.store, PostgresStore):
             await self.store.backup(Path(name))  # refuses, naming pg_dump
         return await self.backups.backup(name)
+
+
+class LeaderQueue:
+    """The hook queue of a shared database as the hook runner sees it: empty but on the leader.
+
+    Hooks are a singleton duty: only the daemon holding the leader row runs them (it is woken
+    by every ending, on any daemon); a new leader takes up the endings whose hooks had not run.
+    """
+
+    def __init__(self, store: PostgresStore) -> None:
+        self._store = store
+
+    async def hooks_pending(self, *, after: int = 0, limit: int = 100) -> list[HookRow]:
+        """Return the queued endings, or none if another daemon leads."""
+        if not self._store.leads():
+            return []
+        return await self._store.hooks_pending(after=after, limit=limit)
+
+    async def hook_claim(self, hook_id: int) -> None:
+        """Mark an ending's hook as started."""
+        await self._store.hook_claim(hook_id)
+
+    async def hooks_done(self, hook_ids: Sequence[int]) -> None:
+        """Forget endings whose hooks ran."""
+        await self._store.hooks_done(hook_ids)
+
+    async def add_history(self, workflow_id: str, kind: str, detail: dict[str, Any]) -> None:
+        """Append one history entry to a workflow."""
+        await self._store.add_history(workflow_id, kind, detail)
 
 
 def backup_policy(cfg: Config) -> BackupPolicy:
@@ -172,7 +201,7 @@ async def run_daemon(
                 metrics=metrics,
             )
             hooks = Hooks(
-                queue=store,
+                queue=LeaderQueue(store) if isinstance(store, PostgresStore) else store,
                 settings=lambda: hook_settings(reloader.cfg),
                 of_type=partial(_type_hook, rt.cache),
             )

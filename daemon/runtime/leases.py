@@ -49,16 +49,19 @@ class Leases:
         *,
         shared: Shared,
         lease_s: float,
-        recover: Callable[[WorkflowRow], Awaitable[str]],
+        recover: Callable[[WorkflowRow, bool], Awaitable[str]],
         submit: Callable[[str, Item], None],
         lose: Callable[[str], None],
         ended: Callable[[str], None],
         waited: Callable[[], list[str]],
         stopping: Callable[[], bool],
+        pinned: Callable[[], set[str]],
     ) -> None:
         self._shared, self._lease_s = shared, lease_s
         self._recover, self._submit, self._lose = recover, submit, lose
         self._ended, self._waited, self._stopping = ended, waited, stopping
+        #: The workflows with a node-local wait armed here, and those pinned in the store.
+        self._pinned_now, self._pinned = pinned, set[str]()
         self._wake = anyio.Event()
         self._claim = self._inbox = self._answers = True
         #: Requests sent through this daemon waiting for their answers, by inbox id.
@@ -119,6 +122,13 @@ class Leases:
     async def _renew(self) -> None:
         for wid in await self._shared.renew():
             self._lose(wid)
+        # Pins follow the waits armed here within a beat (a node that dies in that beat has its
+        # workflow moved at once rather than after pin_timeout_s).
+        now = {wid for wid in self._pinned_now() if self._shared.owns(wid)}
+        pin, unpin = now - self._pinned, {w for w in self._pinned - now if self._shared.owns(w)}
+        if pin or unpin:
+            await self._shared.pin(sorted(pin), sorted(unpin))
+        self._pinned = now
 
     async def _round(self) -> None:
         """Claim while there is work nobody holds; take new inbox rows; read answers."""
@@ -129,9 +139,10 @@ class Leases:
             while True:
                 claimed = await self._shared.claim(CLAIM_BATCH)
                 for row in claimed.rows:
-                    if row.id in claimed.moved:
+                    moved = row.id in claimed.moved
+                    if moved:
                         log.info("wait_moved", workflow_id=row.id, workflow=row.name)
-                    await self._recover(row)
+                    await self._recover(row, moved)
                 self._take(claimed.taken)
                 if len(claimed.rows) < CLAIM_BATCH:
                     break

@@ -26,7 +26,7 @@ from daemon.core.workflow import timeout_of
 from daemon.errors import BadRequest, CallbackNotFound, Conflict, Unavailable, WorkflowNotFound
 from daemon.observe.metrics import Metrics
 from daemon.runtime.actor import Actor
-from daemon.runtime.arming import Arms
+from daemon.runtime.arming import NODE_LOCAL, Arms
 from daemon.runtime.cache import Cache, Loaded, Registry
 from daemon.runtime.children import ChildLinks, composition
 from daemon.runtime.deadlines import Deadlines
@@ -142,16 +142,38 @@ class Runtime:
                 recover=self._claimed,
                 submit=self.scheduler.submit,
                 lose=self._lost,
-                ended=self.endings.exited,
+                ended=self._ended_somewhere,
                 waited=self.endings.waited,
                 stopping=lambda: self.scheduler.stopping,
+                pinned=self.arms.pinned,
             )
         )
 
-    async def _claimed(self, row: WorkflowRow) -> str:
-        """Take up a workflow this daemon just claimed: resume or re-arm it, from its row."""
+    async def _claimed(self, row: WorkflowRow, moved: bool = False) -> str:
+        """Take up a workflow this daemon just claimed: resume or re-arm it, from its row.
+
+        `moved`: its node-local waits were set up on a node gone for `pin_timeout_s`; they are
+        set up again here (the resume runs their setup).
+        """
         self.cache.forget(row.id)  # a copy from an earlier lease of it may be stale
+        if moved:
+            row = self._set_up_again(row)
         return await self.recovery.recover_one(row)
+
+    def _set_up_again(self, row: WorkflowRow) -> WorkflowRow:
+        """Return `row` with its FileWatch and SocketListen waits due for setup again."""
+        try:
+            loaded = self.cache.decode(row)
+            events = Definition(loaded.wf.definition()).events
+        except Exception:  # noqa: BLE001 - recovery holds it and says why
+            return row
+        for t in loaded.state.threads:
+            for ev in t.wait_events:
+                on = events.get(ev.req.name)
+                kind = getattr(on.handler, "type", "") if on is not None else ""
+                if ev.status is EventStatus.SETUP and kind in NODE_LOCAL:
+                    ev.status = EventStatus.PENDING_SETUP
+        return dataclasses.replace(row, state=loaded.state.to_json())
 
     def _lost(self, workflow_id: str) -> None:
         """Drop a workflow whose lease another daemon took: stop its actor, disarm its waits."""
@@ -161,6 +183,12 @@ class Runtime:
             actor.lose()
         self.arms.disarm_workflow(workflow_id)
         self.cache.forget(workflow_id)
+
+    def _ended_somewhere(self, workflow_id: str) -> None:
+        """Wake what waits for endings: a workflow ended (on this daemon or another one)."""
+        self.endings.exited(workflow_id)
+        if self.on_ended is not None:
+            self.on_ended()
 
     def _remote(self, workflow_id: str) -> Leases | None:
         """Return the way to another daemon if it (or nobody yet) runs the workflow."""

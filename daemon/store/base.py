@@ -337,8 +337,9 @@ class Shared(Protocol):
         """Return the node_id of the daemon holding the workflow's lease, if any."""
         ...
 
-    async def pin(self, workflow_id: str, pinned: bool) -> None:
-        """Pin the workflow to this node (a FileWatch or SocketListen wait set up) or unpin it."""
+    async def pin(self, pin: Sequence[str], unpin: Sequence[str]) -> None:
+        """Pin workflows held here to this node (a FileWatch or SocketListen wait set up here),
+        or unpin them."""
         ...
 
     async def listen(self, wake: Any) -> None:

@@ -731,14 +731,21 @@ class PostgresStore:
         rows = await self._read(schema.OWNER_OF, workflow_id)
         return rows[0][0] if rows else None
 
-    async def pin(self, workflow_id: str, pinned: bool) -> None:
-        """Pin the workflow to this node (a FileWatch or SocketListen wait) or unpin it."""
-        node = self.node_id if pinned else None
+    async def pin(self, pin: Sequence[str], unpin: Sequence[str]) -> None:
+        """Pin workflows held here to this node, or unpin them (under their leases' generation)."""
+        pairs = [(w, self.node_id) for w in pin] + [(w, None) for w in unpin]
+        held = [(w, n, self._owned[w]) for w, n in pairs if w in self._owned]
+        if not held:
+            return
+        ids, nodes, generations = (builtins.list(x) for x in zip(*held, strict=True))
 
         async def apply(conn: Conn) -> None:
             await conn.execute(
-                "UPDATE workflows SET pin_node = $2 WHERE id = $1", workflow_id, node
-            )
+                "UPDATE workflows w SET pin_node = t.node"
+                " FROM unnest($1::text[], $2::text[], $3::bigint[]) AS t(id, node, g)"
+                " WHERE w.id = t.id AND w.generation = t.g",
+                ids, nodes, generations,
+            )  # fmt: skip
 
         await self._writes.submit(apply)
 

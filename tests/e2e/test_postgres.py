@@ -25,11 +25,13 @@ MODULES = ["tests.workflows.e2e", "tests.workflows.postgres"]
 LEASE_S = 2.0
 
 
-def node(root: Path, name: str, dsn: str, steplog: Path, lease_s: float = LEASE_S) -> Daemon:
+def node(
+    root: Path, name: str, dsn: str, steplog: Path, lease_s: float = LEASE_S, **more: Any
+) -> Daemon:
     """Configure (not start) daemon `name` of a group sharing the database at `dsn`."""
     tmp = root / name
-    tmp.mkdir()
-    store = {"backend": "postgres", "dsn": dsn, "node_id": name, "lease_s": lease_s}
+    tmp.mkdir(exist_ok=True)
+    store = {"backend": "postgres", "dsn": dsn, "node_id": name, "lease_s": lease_s, **more}
     return Daemon(tmp, write_config(tmp, MODULES, store=store), {"E2E_STEP_LOG": str(steplog)})
 
 
@@ -383,6 +385,49 @@ class TestPartition:
             assert a.proc.poll() is None, a.output()
             assert await snapshot(pg_dsn) == before
             assert step_runs(steplog)["w work"] >= 1
+        finally:
+            await stop_all(a, b)
+
+
+class TestPinning:
+    async def test_a_file_wait_stays_on_its_node_until_that_node_is_gone(
+        self, short_tmp: Path, pg_dsn: str
+    ) -> None:
+        """A workflow waiting on a FileWatch is claimed only by its node (a restart takes it
+        back even though another daemon is free); once that node is gone for pin_timeout_s,
+        the other daemon claims it, logs `wait_moved` and sets the watch up again there."""
+        steplog = short_tmp / "steps.log"
+        drop = short_tmp / "drop"
+        drop.mkdir()
+        pin = {"pin_timeout_s": 6.0}
+        a = node(short_tmp, "a", pg_dsn, steplog, **pin)
+        b = node(short_tmp, "b", pg_dsn, steplog, **pin)
+        try:
+            await a.start()
+            async with a.client() as c:
+                await c.call("start", workflow="Parcel", workflow_id="p",
+                             input={"id": "p", "path": str(drop / "x")})  # fmt: skip
+                await wait_status(c, "p", "Waiting")
+            await until_value(pg_dsn, "SELECT pin_node FROM workflows", "a")
+            await b.start()
+            await a.kill()
+            again = node(short_tmp, "a", pg_dsn, steplog, **pin)
+            await again.start()  # the same node, a new process: the pin is its own
+            await held_by(pg_dsn, "p", "a", limit_s=LEASE_S + 10)
+            assert not [r for r in b.records() if r.get("event") == "wait_moved"]
+            (generation,) = (await query(pg_dsn, "SELECT generation FROM workflows"))[0]
+            assert generation == 2  # a, then a again: b never held it
+            await again.kill()
+            killed = time.monotonic()
+            (moved,) = await logged(b, "wait_moved", limit_s=6.0 + LEASE_S + 10)
+            assert moved["workflow_id"] == "p"
+            assert time.monotonic() - killed >= 6.0 - 1.0  # not before its node was gone
+            await held_by(pg_dsn, "p", "b")
+            async with b.client() as c:
+                await until_value(pg_dsn, "SELECT pin_node FROM workflows", "b")
+                (drop / "x").write_text("here")
+                shown = await wait_status(c, "p", "Finished", limit_s=15)
+                assert shown["data"]["runs"] == 1
         finally:
             await stop_all(a, b)
 
