@@ -69,6 +69,8 @@ class Leases:
         #: Answers that came before their request's inbox id was known here.
         self._early: dict[int, tuple[bool, Any]] = {}
         self._tg: anyio.abc.TaskGroup | None = None
+        #: When (anyio time) the first lease another daemon holds runs out, as last seen.
+        self._next_expiry: float | None = None
 
     @property
     def every_s(self) -> float:
@@ -113,7 +115,10 @@ class Leases:
         await anyio.sleep(self.every_s)
 
     async def _until_woken(self) -> None:
-        with anyio.move_on_after(self.every_s):
+        wait = self.every_s
+        if self._next_expiry is not None:  # another daemon's lease runs out sooner: be there
+            wait = max(min(wait, self._next_expiry - anyio.current_time()), 0.01)
+        with anyio.move_on_after(wait):
             await self._wake.wait()
         if not self._wake.is_set():  # the sweep: whatever a lost notification missed
             self._claim = self._inbox = self._answers = True
@@ -144,6 +149,8 @@ class Leases:
                         log.info("wait_moved", workflow_id=row.id, workflow=row.name)
                     await self._recover(row, moved)
                 self._take(claimed.taken)
+                expiry = claimed.next_expiry_s
+                self._next_expiry = None if expiry is None else anyio.current_time() + expiry
                 if len(claimed.rows) < CLAIM_BATCH:
                     break
                 await anyio.lowlevel.checkpoint()  # the actors just started get a turn

@@ -275,6 +275,8 @@ class Claimed:
     taken: builtins.list[Taken]
     #: The workflows among them whose pinned wait's node was gone: their setup is redone here.
     moved: builtins.list[str]
+    #: Seconds until the first lease another daemon holds runs out, if any.
+    next_expiry_s: float | None = None
 
 
 class Shared(Protocol):

@@ -646,13 +646,14 @@ class PostgresStore:
             )  # fmt: skip
             ids = [r[0] for r in rows]
             inbox = await conn.fetch(schema.TAKE_CLAIMED, self.holder, ids) if ids else []
+            expiry = await conn.fetchval(schema.NEXT_EXPIRY, self.holder)
         claimed = []
         for r in rows:
             self._owned[r[0]] = r[-2]
             self._lost.pop(r[0], None)
             claimed.append(WorkflowRow(*r[:-2]))
         moved = [r[0] for r in rows if r[-1] is not None and r[-1] != self.node_id]
-        return Claimed(claimed, _taken(inbox), moved)
+        return Claimed(claimed, _taken(inbox), moved, None if expiry is None else float(expiry))
 
     async def renew(self) -> builtins.list[str]:
         """Extend every lease this daemon holds and note it alive; return the workflows lost."""

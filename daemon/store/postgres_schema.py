@@ -254,6 +254,12 @@ CLAIM = f"""
     FROM c WHERE w.id = c.id
     RETURNING {", ".join("w." + c.strip() for c in COLS.split(","))}, w.generation, w.pin_node
 """
+#: Seconds until the first lease another daemon holds runs out (NULL: none held): the claim
+#: loop looks again then, so a dead daemon's work is taken over as soon as its lease allows.
+NEXT_EXPIRY = f"""
+    SELECT MIN(lease_until) - {NOW} FROM workflows
+    WHERE {UNFINISHED} AND lease_until > {NOW} AND owner <> $1
+"""
 #: Take one workflow for a write (a repair, the janitor) if nobody else holds it: returns the
 #: new generation, or no row.
 CLAIM_ONE = f"""
