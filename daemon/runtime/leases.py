@@ -69,6 +69,8 @@ class Leases:
         #: Answers that came before their request's inbox id was known here.
         self._early: dict[int, tuple[bool, Any]] = {}
         self._tg: anyio.abc.TaskGroup | None = None
+        #: What the first claims took up (logged as `recovered`); None after them.
+        self._counts: dict[str, int] | None = None
         #: When (anyio time) the first lease another daemon holds runs out, as last seen.
         self._next_expiry: float | None = None
 
@@ -81,10 +83,14 @@ class Leases:
         """Claim a first batch, report started, then keep claiming and renewing until cancelled."""
         async with anyio.create_task_group() as tg:
             self._tg = tg
+            # What a restart's recovery logs: what this daemon took up before it serves.
+            self._counts = dict.fromkeys(("resumed", "armed", "broken", "incompatible", "held"), 0)
             try:
                 await self._round()
             except Exception as e:  # noqa: BLE001 - the loop below retries it
                 log.warning("claim_failed", error=f"{type(e).__name__}: {e}")
+            log.info("recovered", **self._counts)
+            self._counts = None
             task_status.started()
             quick = {"initial_s": self.every_s / 4, "max_s": self.every_s}
             tg.start_soon(partial(supervise, "lease_renewal", self._renew, self._beat, **quick))
@@ -95,7 +101,7 @@ class Leases:
 
     def _heard(self, channel: str, payload: str) -> None:
         """Note what a notification asks for, and wake the claim loop."""
-        if channel == "workflowd_ended":
+        if channel == "workflowd_status":  # it waits or ended: wake `wait`
             self._ended(payload)
             return
         if channel == "workflowd_work":
@@ -147,7 +153,9 @@ class Leases:
                     moved = row.id in claimed.moved
                     if moved:
                         log.info("wait_moved", workflow_id=row.id, workflow=row.name)
-                    await self._recover(row, moved)
+                    done = await self._recover(row, moved)
+                    if self._counts is not None:
+                        self._counts[done] = self._counts.get(done, 0) + 1
                 self._take(claimed.taken)
                 expiry = claimed.next_expiry_s
                 self._next_expiry = None if expiry is None else anyio.current_time() + expiry

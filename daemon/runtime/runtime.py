@@ -121,6 +121,14 @@ class Runtime:
             store=store,
             running=self._running,
             workflow_type=lambda name: self.cache.registry.get(name),
+            # Shared, a Resuming workflow with no actor here is running (or about to be claimed)
+            # somewhere: it is blocked once its status says so.
+            elsewhere=(lambda row: False)
+            if shared is None
+            else lambda row: (
+                row.status == WorkflowStatus.RESUMING.value
+                and not self.scheduler.hold.holds(row.id)
+            ),
         )
         #: Told each workflow whose actor exited, with its status then (schedules wait on it).
         self.on_exit: Callable[[str, str | None], None] | None = None

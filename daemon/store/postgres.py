@@ -54,11 +54,11 @@ LOST_HOLD_S = 5.0
 #: Lost workflows are forgotten after this long (their copies are long gone).
 LOST_FORGET_S = 3600.0
 #: The channels LISTEN/NOTIFY wakes daemons on (hints only: sweeps catch what is missed).
-WORK, INBOX, REPLY, ENDED = (
+WORK, INBOX, REPLY, STATUS = (
     "workflowd_work",
     "workflowd_inbox",
     "workflowd_reply",
-    "workflowd_ended",
+    "workflowd_status",
 )
 NOTIFY_WORK = f"SELECT pg_notify('{WORK}', '')"
 NOTIFY_INBOX = f"SELECT pg_notify('{INBOX}', $1)"
@@ -767,7 +767,7 @@ class PostgresStore:
                 def heard(_conn: Any, _pid: int, channel: str, payload: object) -> None:
                     wake(channel, str(payload))
 
-                for channel in (WORK, INBOX, REPLY, ENDED):
+                for channel in (WORK, INBOX, REPLY, STATUS):
                     await conn.add_listener(channel, heard)
                 wake("connected", "")
                 backoff = 0.5

@@ -2,8 +2,9 @@
 
 Every daemon notes itself in `nodes` every `lease_s / 3` (server time, so the machines'
 clocks need not agree); `ping` lists the ones seen within a lease. The singleton duties
-(retention, the janitor) run on the daemon holding the `leader` row of `leases`, renewed on
-the same beat and taken over by another daemon once it has not been renewed for `lease_s`.
+(retention, the janitor, hooks) run on the daemon holding the `leader` row of `leases`,
+renewed on the same beat and taken over by another daemon once it has not been renewed for
+`lease_s`, or at once when its holder has no connection left (it was killed).
 The leases of the workflows themselves live in their rows (daemon.store.postgres).
 """
 
@@ -39,7 +40,17 @@ LEAD = f"""
         SET holder = $1, node_id = $2, until = {NOW} + $3,
             generation = CASE WHEN l.holder = $1 THEN l.generation ELSE l.generation + 1 END
         WHERE l.holder = $1 OR l.until < {NOW}
+           OR NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.application_name = l.holder)
     RETURNING generation
+"""
+#: At start: the workflows an earlier process of this node held, if it has no connection
+#: left (it was killed), are free at once rather than after their leases ran out.
+ORPHANS = f"""
+    UPDATE workflows SET lease_until = 0
+    WHERE {schema.UNFINISHED} AND lease_until > 0 AND owner <> $1
+      AND owner IN (SELECT holder FROM nodes WHERE node_id = $2 AND holder <> $1)
+      AND NOT EXISTS (
+          SELECT 1 FROM pg_stat_activity a WHERE a.application_name = workflows.owner)
 """
 #: The daemons seen within $1 seconds, the leader marked.
 NODES = f"""
@@ -114,6 +125,7 @@ async def connect(
     try:
         conn = await asyncpg.connect(**args)
         await schema.migrate(conn, where)
+        await conn.execute(ORPHANS, node.holder, node.node_id)
         await node.beat(conn)
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
         raise schema.unusable(where, e) from None

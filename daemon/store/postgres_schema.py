@@ -21,7 +21,6 @@ COLS = (
 #: The partial indexes' condition: a workflow that has not ended (schema.FINAL, spelled out
 #: because an index predicate takes no parameters).
 UNFINISHED = "status NOT IN (" + ", ".join(f"'{s}'" for s in FINAL) + ")"
-UNFINISHED_NEW = "NEW." + UNFINISHED
 
 #: MIGRATIONS[n] takes the schema from version n to n + 1; append new ones, never edit old ones.
 MIGRATIONS: list[str] = [
@@ -130,15 +129,16 @@ MIGRATIONS: list[str] = [
         value TEXT NOT NULL, at DOUBLE PRECISION NOT NULL
     );
     CREATE INDEX replies_to ON replies (reply_to);
-    CREATE FUNCTION workflowd_notify_end() RETURNS trigger LANGUAGE plpgsql AS $$
+    -- a status change out of Resuming (a wait, an end): `wait` on any daemon is woken by it
+    CREATE FUNCTION workflowd_notify_status() RETURNS trigger LANGUAGE plpgsql AS $$
     BEGIN
-        PERFORM pg_notify('workflowd_ended', NEW.id);
+        PERFORM pg_notify('workflowd_status', NEW.id);
         RETURN NULL;
     END
     $$;
-    CREATE TRIGGER notify_on_end AFTER UPDATE OF status ON workflows FOR EACH ROW
-    WHEN (NOT ({UNFINISHED_NEW}) AND NEW.status IS DISTINCT FROM OLD.status)
-    EXECUTE FUNCTION workflowd_notify_end()
+    CREATE TRIGGER notify_on_status AFTER UPDATE OF status ON workflows FOR EACH ROW
+    WHEN (NEW.status <> 'Resuming' AND NEW.status IS DISTINCT FROM OLD.status)
+    EXECUTE FUNCTION workflowd_notify_status()
     """,
 ]
 
