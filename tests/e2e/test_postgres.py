@@ -6,6 +6,7 @@ Each test gets a database of its own on the session's throwaway cluster (`pg_dsn
 from __future__ import annotations
 
 import collections
+import json
 import os
 import signal
 import sys
@@ -20,19 +21,28 @@ import pytest
 from tests.helpers.client import connect
 from tests.helpers.harness import REPO, Daemon, run_workflowd, write_config
 from tests.helpers.wait import eventually, logged, settled, wait_status
+from tests.workflows.schedules import SCHEDULES_ENV
 
 MODULES = ["tests.workflows.e2e", "tests.workflows.postgres"]
 LEASE_S = 2.0
 
 
 def node(
-    root: Path, name: str, dsn: str, steplog: Path, lease_s: float = LEASE_S, **more: Any
+    root: Path,
+    name: str,
+    dsn: str,
+    steplog: Path,
+    lease_s: float = LEASE_S,
+    env: dict[str, str] | None = None,
+    **more: Any,
 ) -> Daemon:
     """Configure (not start) daemon `name` of a group sharing the database at `dsn`."""
     tmp = root / name
     tmp.mkdir(exist_ok=True)
     store = {"backend": "postgres", "dsn": dsn, "node_id": name, "lease_s": lease_s, **more}
-    return Daemon(tmp, write_config(tmp, MODULES, store=store), {"E2E_STEP_LOG": str(steplog)})
+    modules = [*MODULES, "tests.workflows.schedules"] if env else MODULES
+    config = write_config(tmp, modules, store=store)
+    return Daemon(tmp, config, {"E2E_STEP_LOG": str(steplog), **(env or {})})
 
 
 async def answers(d: Daemon, limit_s: float) -> float:
@@ -389,6 +399,32 @@ class TestPartition:
             await stop_all(a, b)
 
 
+class TestSingletons:
+    async def test_a_schedule_on_two_daemons_fires_each_time_once(
+        self, short_tmp: Path, pg_dsn: str
+    ) -> None:
+        """Both daemons run the schedule; each nominal time starts one workflow, recorded once."""
+        steplog = short_tmp / "steps.log"
+        chime = {"name": "tick", "workflow": "Chime", "every": 1, "overlap": "allow"}
+        env = {SCHEDULES_ENV: json.dumps([chime])}
+        a, b = (node(short_tmp, n, pg_dsn, steplog, env=env) for n in ("a", "b"))
+        try:
+            await a.start()
+            await b.start()
+            await until_value(
+                pg_dsn, "SELECT COUNT(*) >= 4 FROM workflows WHERE status = 'Finished'", True,
+                limit_s=30,
+            )  # fmt: skip
+            async with b.client() as c:
+                shown = await c.call("schedule_show", name="tick")
+            nominals = [f["nominal_at"] for f in shown["fires"] if f["kind"] == "fired"]
+            assert nominals and len(nominals) == len(set(nominals)), shown["fires"]
+            rows = await query(pg_dsn, "SELECT id FROM workflows WHERE id LIKE 'tick:%'")
+            assert len(rows) >= len(nominals) - 1
+        finally:
+            await stop_all(a, b)
+
+
 class TestPinning:
     async def test_a_file_wait_stays_on_its_node_until_that_node_is_gone(
         self, short_tmp: Path, pg_dsn: str
@@ -399,7 +435,7 @@ class TestPinning:
         steplog = short_tmp / "steps.log"
         drop = short_tmp / "drop"
         drop.mkdir()
-        pin = {"pin_timeout_s": 6.0}
+        pin: dict[str, Any] = {"pin_timeout_s": 6.0}
         a = node(short_tmp, "a", pg_dsn, steplog, **pin)
         b = node(short_tmp, "b", pg_dsn, steplog, **pin)
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncpg
 import pytest
 
-from daemon.store.base import WorkflowLost, WorkflowRow
+from daemon.store.base import FireRecord, WorkflowLost, WorkflowRow
 from daemon.store.postgres import PostgresStore
 from daemon.store.postgres_lease import holder_name
 
@@ -106,3 +106,18 @@ async def test_a_clean_stop_releases_every_lease(pg_dsn: str) -> None:
     async with PostgresStore.open(pg_dsn, node_id="b", lease_s=300) as b:
         assert [r.id for r in (await b.claim(10)).rows] == ["w"]
         assert b.leads()
+
+
+async def test_a_fire_two_daemons_make_starts_one_workflow_recorded_once(pg_dsn: str) -> None:
+    """The fire's workflow id is its key: the second daemon firing it creates and records
+    nothing."""
+    async with (
+        PostgresStore.open(pg_dsn, node_id="a", lease_s=30) as a,
+        PostgresStore.open(pg_dsn, node_id="b", lease_s=30) as b,
+    ):
+        await a.schedules_load(["tick"], 100.0)
+        fire = FireRecord(101.0, "fired", nominal=101.0, workflow_id="tick:101")
+        assert await a.schedule_fire("tick", row("tick:101"), last_nominal=101.0, records=[fire])
+        assert not await b.schedule_fire("tick", row("tick:101"), last_nominal=101.0,
+                                          records=[fire])  # fmt: skip
+        assert [f.workflow_id for f in await b.schedule_fires("tick")] == ["tick:101"]
