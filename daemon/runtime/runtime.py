@@ -193,8 +193,9 @@ class Runtime:
         self.cache.forget(workflow_id)
 
     def _ended_somewhere(self, workflow_id: str) -> None:
-        """Wake what waits for endings: a workflow ended (on this daemon or another one)."""
+        """Wake what waits for endings: a workflow ended or waits (on this daemon or another)."""
         self.endings.exited(workflow_id)
+        self.children.ended(workflow_id)  # a parent here re-reads its child's row
         if self.on_ended is not None:
             self.on_ended()
 
