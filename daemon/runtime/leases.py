@@ -27,6 +27,8 @@ from daemon.store.base import Shared, Taken, WorkflowRow
 log = structlog.get_logger()
 #: Workflows claimed per transaction: small, so that daemons woken together share a burst.
 CLAIM_BATCH = 16
+#: How long a wake-up for new work waits for more of it before claiming.
+COALESCE_S = 0.005
 #: Answers kept for requests whose inbox id this daemon has not seen back yet.
 EARLY_KEPT = 1000
 #: How long a request through this daemon waits at least for the owner's answer.
@@ -128,6 +130,9 @@ class Leases:
             await self._wake.wait()
         if not self._wake.is_set():  # the sweep: whatever a lost notification missed
             self._claim = self._inbox = self._answers = True
+        elif not (self._inbox or self._answers):
+            # New work only: a burst of starts is one claim, not one claim per NOTIFY.
+            await anyio.sleep(COALESCE_S)
         self._wake = anyio.Event()
 
     async def _renew(self) -> None:
