@@ -467,8 +467,10 @@ class Runtime:
                 raise WorkflowNotFound(f"no workflow {workflow_id!r}")
             if row.status in FINAL_STATUSES:
                 return _cancelled_again(workflow_id, row.status)
-            await remote.cancel(workflow_id, {"by": by, "error": error})
-            return {"workflow_id": workflow_id, "status": WorkflowStatus.CANCELLED.value}
+            done = await remote.cancel(workflow_id, {"by": by, "error": error})
+            status = done.get("status") if isinstance(done, dict) else None
+            # It may have ended otherwise meanwhile, on its owner: said as for a local one.
+            return _cancelled_again(workflow_id, str(status or WorkflowStatus.CANCELLED.value))
         try:
             loaded = await self.cache.load(workflow_id)
         except Conflict as e:  # its row does not decode: no actor can load it
