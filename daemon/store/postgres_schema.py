@@ -279,10 +279,11 @@ INBOX_COLS = "id, workflow_id, event, thread_id, pc, input, created_at, kind, re
 TAKE_CLAIMED = (
     f"UPDATE inbox SET taken = $1 WHERE workflow_id = ANY($2::text[]) RETURNING {INBOX_COLS}"
 )
-#: Hand $1 the inbox rows not yet taken of the workflows it owns.
+#: Hand $1 the inbox rows it has not taken yet of the workflows it owns: new ones, and any a
+#: daemon that lost the workflow took (what it applied left with its commit; it commits no more).
 TAKE_NEW = f"""
     UPDATE inbox i SET taken = $1 FROM workflows w
-    WHERE i.taken IS NULL AND w.id = i.workflow_id AND w.owner = $1 AND {UNFINISHED.replace("status", "w.status")}
+    WHERE i.taken IS DISTINCT FROM $1 AND w.id = i.workflow_id AND w.owner = $1 AND {UNFINISHED.replace("status", "w.status")}
     RETURNING {", ".join("i." + c.strip() for c in INBOX_COLS.split(","))}
 """
 #: Who owns a workflow ($1) now, by node_id: none once its lease ran out or it ended.
