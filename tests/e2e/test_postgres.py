@@ -211,7 +211,9 @@ class TestShared:
         """1,000 workflows started through one of two or three daemons all finish, each step
         once, and every daemon ran a share of them."""
         steplog = short_tmp / "steps.log"
-        group = [node(short_tmp, name, pg_dsn, steplog) for name in "abc"[:n]]
+        # Leases long enough that a daemon starved of CPU (a loaded box) keeps its work: a
+        # takeover would re-run the steps in flight, which this test is not about.
+        group = [node(short_tmp, name, pg_dsn, steplog, lease_s=15) for name in "abc"[:n]]
         try:
             for d in group:
                 await d.start()
@@ -396,6 +398,8 @@ class TestPartition:
                 async with b.client() as c:
                     shown = await wait_status(c, "w", "Finished")
                     assert shown["data"]["runs"] == 1
+                    # Logged after its last save (the end is saved twice): b is done writing.
+                    await logged(b, "workflow_finished", workflow_id="w")
                     await settled(c)
                 before = await snapshot(pg_dsn)
                 after_claim = (await query(pg_dsn, "SELECT generation FROM workflows"))[0][0]
