@@ -10,7 +10,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import replace
 from functools import partial
@@ -32,13 +32,12 @@ from daemon.http.scrape import metrics_handler
 from daemon.http.server import listening, serve_http
 from daemon.http.token import load_token
 from daemon.identity import refuse_foreign
-from daemon.observe.hooks import Hooks, HookSettings
+from daemon.observe.hooks import HookRow, Hooks, HookSettings
 from daemon.observe.metrics import Metrics
 from daemon.ops.backup import BackupPolicy, Backups
 from daemon.ops.modules import load_registry, schedules_of
 from daemon.ops.reload import Reloader, settings_of
 from daemon.ops.repairs import Repairs
-from daemon.ops.standby import Standby
 from daemon.runtime.cache import Cache
 from daemon.runtime.runtime import Runtime
 from daemon.runtime.schedules import Schedules
@@ -51,8 +50,6 @@ from daemon.service.log import LogHub, close_logging, configure_logging
 from daemon.service.notify import Notifier, watchdog_loop
 from daemon.store.base import Store
 from daemon.store.postgres import PostgresStore
-from daemon.store.postgres_lease import Claim, LeaseLost
-from daemon.store.postgres_lease import release as release_claim
 from daemon.store.postgres_schema import redact
 from daemon.store.schema import FINAL, make_folder
 from daemon.store.sqlite import SQLiteStore
@@ -61,8 +58,6 @@ log = structlog.get_logger()
 STATUS_EVERY_S = 1.0
 #: How long, at shutdown, answers still being written may take.
 ANSWER_GRACE_S = 1.0
-#: The exit code of a daemon whose PostgreSQL database another daemon took over.
-EXIT_LEASE_LOST = 3
 #: Allocations between young-generation collections (CPython's default is 700).
 GC_THRESHOLD = 10_000
 
@@ -72,14 +67,14 @@ class DaemonOps:
 
     def __init__(self, reloader: Reloader, backups: Backups, store: Store) -> None:
         self.reloader, self.backups, self.store = reloader, backups, store
-        # On PostgreSQL the daemon holding the lease runs every workflow; SQLite has one.
-        self.node_id = store.lease.node_id if isinstance(store, PostgresStore) else _hostname()
+        # On PostgreSQL every daemon runs its share (`show` names each workflow's owner).
+        self.node_id = store.node_id if isinstance(store, PostgresStore) else _hostname()
 
     async def nodes(self) -> list[dict[str, Any]]:
-        """List the daemons on this database, the one running the workflows first."""
+        """List the daemons on this database, the leader first."""
         if isinstance(self.store, PostgresStore):
             found = await self.store.nodes()
-            return sorted(found, key=lambda n: n["role"] != "holder")
+            return sorted(found, key=lambda n: n["role"] != "leader")
         return [{"node_id": self.node_id, "role": "holder", "seen_s_ago": 0.0}]
 
     def owner(self, status: str) -> str | None:
@@ -87,7 +82,9 @@ class DaemonOps:
         return None if status in FINAL else self.node_id
 
     def role(self) -> str:
-        """Say what this daemon is to `ping`: the one that runs the workflows."""
+        """Say what this daemon is to `ping`: on PostgreSQL the leader or a member."""
+        if isinstance(self.store, PostgresStore):
+            return "leader" if self.store.leads() else "member"
         return "holder"
 
     async def reload(self) -> dict[str, Any]:
@@ -99,6 +96,35 @@ class DaemonOps:
         if isinstance(self.store, PostgresStore):
             await self.store.backup(Path(name))  # refuses, naming pg_dump
         return await self.backups.backup(name)
+
+
+class LeaderQueue:
+    """The hook queue of a shared database as the hook runner sees it: empty but on the leader.
+
+    Hooks are a singleton duty: only the daemon holding the leader row runs them (it is woken
+    by every ending, on any daemon); a new leader takes up the endings whose hooks had not run.
+    """
+
+    def __init__(self, store: PostgresStore) -> None:
+        self._store = store
+
+    async def hooks_pending(self, *, after: int = 0, limit: int = 100) -> list[HookRow]:
+        """Return the queued endings, or none if another daemon leads."""
+        if not self._store.leads():
+            return []
+        return await self._store.hooks_pending(after=after, limit=limit)
+
+    async def hook_claim(self, hook_id: int) -> None:
+        """Mark an ending's hook as started."""
+        await self._store.hook_claim(hook_id)
+
+    async def hooks_done(self, hook_ids: Sequence[int]) -> None:
+        """Forget endings whose hooks ran."""
+        await self._store.hooks_done(hook_ids)
+
+    async def add_history(self, workflow_id: str, kind: str, detail: dict[str, Any]) -> None:
+        """Append one history entry to a workflow."""
+        await self._store.add_history(workflow_id, kind, detail)
 
 
 def backup_policy(cfg: Config) -> BackupPolicy:
@@ -123,20 +149,20 @@ async def run_daemon(
     notifier = Notifier.from_env(unset=True)
     metrics = Metrics(version())
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-        claim, reload_asked = None, False
-        if cfg.store.backend == "postgres":
-            claim, reload_asked = await claim_or_stop(cfg, signals)
-            if claim is None:  # stopped while standing by: it held nothing
-                notifier.close()
-                return
         async with (
             # Bound first: an address that cannot be bound stops the start, before READY.
             listening(cfg.metrics.listen) as scrape_on,
             listening(cfg.http.listen) as dashboard_on,
-            open_store(cfg, claim, metrics) as store,
+            open_store(cfg, metrics) as store,
             _dashboard_token(dashboard_on, cfg.store.path.parent) as token,
             Runtime.open(
-                store, registry, replace(settings_of(cfg), hold=hold), logs=hub, metrics=metrics
+                store,
+                registry,
+                replace(settings_of(cfg), hold=hold),
+                logs=hub,
+                metrics=metrics,
+                shared=store if isinstance(store, PostgresStore) else None,
+                lease_s=cfg.store.lease_s,
             ) as rt,
             anyio.create_task_group() as tg,
         ):
@@ -178,7 +204,7 @@ async def run_daemon(
                 start_many=rt.start_many,
             )
             hooks = Hooks(
-                queue=store,
+                queue=LeaderQueue(store) if isinstance(store, PostgresStore) else store,
                 settings=lambda: hook_settings(reloader.cfg),
                 of_type=partial(_type_hook, rt.cache),
             )
@@ -239,12 +265,11 @@ async def run_daemon(
             reloader.on_config = partial(_configure_control, server)
             tg.start_soon(watchdog_loop, notifier)
             tg.start_soon(_report_status, rt, notifier)
-            tg.start_soon(_collect_garbage, rt, reloader)
+            leads = store.leads if isinstance(store, PostgresStore) else lambda: True
+            tg.start_soon(_collect_garbage, rt, reloader, leads)
             log.info("daemon_started", pid=os.getpid(), socket=str(d.socket), db=store_name(cfg))
             notifier.ready()
             task_status.started(rt)
-            if reload_asked:  # SIGHUP while it stood by: what was asked for applies now
-                await reloader.reload()
             async for signum in signals:
                 if signum == signal.SIGHUP:
                     await reloader.reload()
@@ -270,95 +295,25 @@ async def run_daemon(
     notifier.close()
 
 
-async def claim_or_stop(cfg: Config, signals: AsyncIterator[int]) -> tuple[Claim | None, bool]:
-    """Wait as a standby until this daemon holds the PostgreSQL database's lease.
-
-    Return the claim (None if SIGTERM or SIGINT came first; a lease that came in that moment
-    is handed back, for the stop request wins) and whether SIGHUP asked for a reload meanwhile.
-    """
-    s = cfg.store
-    got: list[Claim] = []
-    failed: list[Exception] = []
-    stopped = reload_asked = False
-
-    standing = anyio.Event()
-
-    async def claim(scope: anyio.CancelScope) -> None:
-        try:
-            got.append(
-                await PostgresStore.claim(
-                    s.dsn, passfile=s.passfile, node_id=s.node_id, lease_s=s.lease_s,
-                    standby=standing,
-                )
-            )  # fmt: skip
-        except Exception as e:  # noqa: BLE001 - raised below, outside the task group
-            failed.append(e)
-        scope.cancel()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(claim, tg.cancel_scope)
-        tg.start_soon(serve_standby, cfg, standing)
-        async for signum in signals:
-            if signum == signal.SIGHUP:
-                log.info("reload_deferred", reason="standing by")
-                reload_asked = True
-                continue
-            log.info("daemon_stopping", signal=signal.Signals(signum).name, standby=True)
-            stopped = True
-            tg.cancel_scope.cancel()
-            break
-    if failed:
-        raise failed[0]
-    if stopped and got:
-        await release_claim(got[0])
-        return None, False
-    return (got[0] if got else None), reload_asked
-
-
-async def serve_standby(cfg: Config, standing: anyio.Event) -> None:
-    """Serve reads of the shared database on the control socket while another daemon holds it.
-
-    Not with socket activation: systemd's listening socket is for the daemon that runs the
-    workflows. A failure here is logged; the daemon goes on standing by without a socket.
-    """
-    await standing.wait()
-    if os.environ.get("LISTEN_PID") == str(os.getpid()):
-        return
-    s, d = cfg.store, cfg.daemon
-    try:
-        async with PostgresStore.reader(
-            s.dsn, passfile=s.passfile, node_id=s.node_id, lease_s=s.lease_s
-        ) as store:
-            standby = Standby(store)
-            await serve(
-                standby,
-                socket_path=d.socket,
-                socket_mode=d.socket_mode,
-                socket_group=d.socket_group,
-                allowed_uids=d.allowed_uids,
-                allowed_groups=d.allowed_groups,
-                max_request_bytes=d.max_request_bytes,
-                max_connections=d.max_connections,
-                idle_timeout=d.idle_timeout_s,
-                max_in_flight=d.max_in_flight,
-                max_buffered_bytes=d.max_buffered_bytes,
-                ops=standby,
-            )
-    except Exception as e:  # noqa: BLE001 - reads are a courtesy; standing by goes on
-        log.warning("standby_socket_failed", error=f"{type(e).__name__}: {e}")
-
-
 def _hostname() -> str:
     return socket.gethostname()
 
 
 def open_store(
-    cfg: Config, claim: Claim | None, metrics: Metrics | None = None
+    cfg: Config, metrics: Metrics | None = None
 ) -> AbstractAsyncContextManager[SQLiteStore | PostgresStore]:
-    """Open the configured backend: the SQLite file, or the PostgreSQL database claimed."""
+    """Open the configured backend: the SQLite file, or the PostgreSQL database."""
     s = cfg.store
-    if claim is not None:
-        return PostgresStore.open(s.dsn, history_keep=s.history_keep, claim=claim, metrics=metrics)
+    if s.backend == "postgres":
+        return PostgresStore.open(
+            s.dsn,
+            passfile=s.passfile,
+            history_keep=s.history_keep,
+            node_id=s.node_id,
+            lease_s=s.lease_s,
+            pin_timeout_s=s.pin_timeout_s,
+            metrics=metrics,
+        )
     return SQLiteStore.open(
         s.path, synchronous=s.synchronous, history_keep=s.history_keep, metrics=metrics
     )
@@ -450,12 +405,17 @@ async def _report_status(rt: Runtime, notifier: Notifier) -> None:
     await supervise("status", refresh, partial(anyio.sleep, STATUS_EVERY_S))
 
 
-async def _collect_garbage(rt: Runtime, reloader: Reloader) -> None:
-    """Run retention at start, then every `[store] retention_interval_s` (both live on reload)."""
+async def _collect_garbage(
+    rt: Runtime, reloader: Reloader, leads: Callable[[], bool] = lambda: True
+) -> None:
+    """Run retention at start, then every `[store] retention_interval_s` (both live on reload).
+
+    On a database several daemons share, only the leader runs it.
+    """
 
     async def collect() -> None:
         keep_days = reloader.cfg.store.keep_finished_days
-        deleted = await rt.gc(keep_days) if keep_days > 0 else 0
+        deleted = await rt.gc(keep_days) if keep_days > 0 and leads() else 0
         if deleted:
             log.info("workflows_deleted", count=deleted, older_than_days=keep_days)
 
@@ -536,9 +496,6 @@ def main(argv: list[str] | None = None) -> int:
     except StoreLocked as e:
         print(f"workflowd: {e}", file=sys.stderr)
         return 1
-    except LeaseLost as e:  # wrote nothing since; a supervisor restarts it as a standby
-        print(f"workflowd: {e}", file=sys.stderr)
-        return EXIT_LEASE_LOST
     except (StoreUnusable, ConfigError) as e:  # raised before READY (a newer schema, say)
         print(f"workflowd: {e}", file=sys.stderr)
         return 2

@@ -179,7 +179,13 @@ class TestPostgresBench:
         _check(
             "bench_postgres",
             figures,
-            {"daemons_1_steps_per_s", "daemons_2_steps_per_s", "takeover_after_sigkill_s"},
+            {
+                "daemons_1_steps_per_s",
+                "daemons_2_steps_per_s",
+                "daemons_1_cpu_ms_per_step",
+                "daemons_2_cpu_ms_per_step",
+                "takeover_after_sigkill_s",
+            },
         )
 
 

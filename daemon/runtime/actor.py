@@ -36,7 +36,7 @@ from daemon.runtime.pool import StepPool
 from daemon.runtime.settings import Settings
 from daemon.runtime.steps import StepRun
 from daemon.runtime.work import Item, Reply
-from daemon.store.base import Store
+from daemon.store.base import Store, WorkflowLost
 
 log = structlog.get_logger()
 _DURABLE = (
@@ -86,6 +86,8 @@ class Actor:
     _unsaved: list[Item] = field(default_factory=list)
     _io_failures: int = 0
     _workflow: str = ""
+    #: Another daemon took the workflow's lease (a shared store): nothing more is written.
+    _lost: bool = False
     #: This workflow's checkpoint writes, in order; steps run on while one commits.
     _pipeline: Pipeline = field(init=False)
 
@@ -124,6 +126,23 @@ class Actor:
         if self.pool is not None:
             self.pool.stop()
 
+    def lose(self) -> None:
+        """Stop at once, writing nothing more: another daemon runs the workflow now."""
+        self._lost = self._stop = True
+        if self._scope is not None:
+            self._scope.cancel()
+        if self.pool is not None:
+            self.pool.stop()
+
+    def _dropped(self) -> None:
+        """Drop the in-memory copy of a workflow whose lease another daemon took."""
+        if not self._lost:
+            log.warning("lease_lost", workflow_id=self.workflow_id)
+        self.lose()
+        self.arms.disarm_workflow(self.workflow_id)
+        self.cache.forget(self.workflow_id)
+        self._unsaved, self._history = [], []
+
     async def run(self) -> None:
         """Process queued items and resume the workflow until it blocks."""
         with bound_contextvars(workflow_id=self.workflow_id):
@@ -136,8 +155,12 @@ class Actor:
                     await self._loop(loaded)
                 finally:
                     await self._pipeline.settle()
-                    # Inbox-backed items stay in the store and are recovered on restart.
-                    self._reject_all(Unavailable("workflowd is shutting down"))
+                    # Inbox-backed items stay in the store and are recovered on restart (or
+                    # by the daemon that took the workflow over).
+                    gone = (
+                        "another daemon runs it now" if self._lost else "workflowd is shutting down"
+                    )
+                    self._reject_all(Unavailable(gone))
 
     async def _loop(self, loaded: Loaded) -> None:
         while not self._stop:
@@ -183,6 +206,9 @@ class Actor:
             await fn(loaded, *args)
             self._io_failures = 0
             return self.cache.get(self.workflow_id) or loaded
+        except WorkflowLost:
+            self._dropped()
+            return loaded
         except Exception as e:  # noqa: BLE001 - e.g. disk full: never crash, back off and retry
             await self._back_off(e)
         fresh = await self._load()
@@ -326,13 +352,15 @@ class Actor:
                         steps=self.pool,
                         on_conflict=self._conflict,
                     )
+            except WorkflowLost:
+                raise  # not a failure of the workflow: another daemon runs it now
             except WorkflowdError as e:  # StepFailed (for good) among them
                 await self._fail(await self._reload(), str(e))
                 return
             finally:
                 self.pool = None
         self._scope = None
-        if self._cancelling:
+        if self._cancelling or self._lost:
             return
         if loaded.state.status is WorkflowStatus.FINISHED:
             self._history.append(("finished", {}))

@@ -30,6 +30,9 @@ Submit = Callable[[CallbackRequest, Any, bool], Coroutine[Any, Any, Any]]
 Broken = Callable[[CallbackRequest, str], None]
 
 LISTEN_RETRY_MAX_S = 60.0
+#: Handler types whose waits hold this machine's resources (a path, a port): on a shared
+#: database their workflow is pinned to the node that set them up.
+NODE_LOCAL = frozenset({"file", "socket"})
 REFUSED_GRACE_S = 0.25
 
 
@@ -59,6 +62,7 @@ class Arms:
         #: A workflow's armed keys: the key itself while it is the only one (most are), so a
         #: million sleeping workflows hold no set each.
         self._by_workflow: dict[str, Key | set[Key]] = {}
+        self._local: set[Key] = set()
         self._sleep: anyio.CancelScope | None = None  # the timer loop's current sleep
         self._sleeping_until = math.inf
 
@@ -68,6 +72,10 @@ class Arms:
     def kinds(self) -> dict[str, int]:
         """Count the armed waits by kind: `timer` or `listener` (an active handler's task)."""
         return {"timer": len(self._timers), "listener": len(self._listeners)}
+
+    def pinned(self) -> set[str]:
+        """Return the workflows with a node-local wait armed here (a FileWatch, a SocketListen)."""
+        return {key[0] for key in self._local}
 
     def armed(self, workflow_id: str) -> set[Key]:
         """Return the keys armed for one workflow."""
@@ -112,6 +120,8 @@ class Arms:
         if listen is not None:
             scope = anyio.CancelScope()
             self._listeners[key] = scope
+            if getattr(handler, "type", "") in NODE_LOCAL:
+                self._local.add(key)
             self._tg.start_soon(self._listen, key, req, listen, scope)
         else:
             return
@@ -169,6 +179,7 @@ class Arms:
         if self._timers.pop(key, None) is not None:
             self._compact()
         scope = self._listeners.pop(key, None)
+        self._local.discard(key)
         if scope is not None and key not in self._delivering:
             scope.cancel()
         self._unindex(key)

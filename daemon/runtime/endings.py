@@ -43,8 +43,11 @@ class Endings:
         store: Store,
         running: Callable[[str], bool],
         workflow_type: Callable[[str], type[Workflow] | None],
+        elsewhere: Callable[[WorkflowRow], bool] = lambda row: False,
     ) -> None:
         self._store, self._running, self._type = store, running, workflow_type
+        #: Whether a stored workflow may be running on another daemon (a shared store).
+        self._elsewhere = elsewhere
         self._wakers: dict[str, set[_Waker]] = {}
         self._stopping = False
 
@@ -52,6 +55,10 @@ class Endings:
         """Wake whoever waits on this workflow: it may have ended."""
         for waker in self._wakers.get(workflow_id, ()):
             waker.wake(workflow_id)
+
+    def waited(self) -> builtins.list[str]:
+        """Return the workflows someone waits on (another daemon may end them, unseen here)."""
+        return builtins.list(self._wakers)
 
     def stop(self) -> None:
         """Answer every wait now (`unavailable`): the daemon is shutting down."""
@@ -98,7 +105,7 @@ class Endings:
                             row = await self._store.get(wid)
                             if row is None or row.status in _FINAL:
                                 ended[wid] = self._outcome(wid, row)
-                            elif until == "blocked":
+                            elif until == "blocked" and not self._elsewhere(row):
                                 ended[wid] = _entry(wid, row, row.status, ended=False)
                     done = bool(ended) if any else len(ended) == len(ids)
                     if not done:

@@ -26,17 +26,18 @@ from daemon.core.workflow import timeout_of
 from daemon.errors import BadRequest, CallbackNotFound, Conflict, Unavailable, WorkflowNotFound
 from daemon.observe.metrics import Metrics
 from daemon.runtime.actor import Actor
-from daemon.runtime.arming import Arms
+from daemon.runtime.arming import NODE_LOCAL, Arms
 from daemon.runtime.cache import Cache, Loaded, Registry
 from daemon.runtime.children import ChildLinks, composition
 from daemon.runtime.deadlines import Deadlines
 from daemon.runtime.endings import Endings, describe_types
 from daemon.runtime.janitor import Janitor
+from daemon.runtime.leases import Leases
 from daemon.runtime.recovery import Recovery
 from daemon.runtime.scheduler import Hold, Scheduler
 from daemon.runtime.settings import Settings
 from daemon.runtime.work import Item, Reply
-from daemon.store.base import History, Position, Sleepers, Store, WorkflowRow
+from daemon.store.base import History, Position, Shared, Sleepers, Store, WorkflowRow
 
 #: Workflows summarized between two checkpoints of `page` (~2 ms of the event loop).
 SUMMARY_SLICE = 100
@@ -89,8 +90,12 @@ class Runtime:
         clock: Clock,
         logs: LogSource | None = None,
         metrics: Metrics | None = None,
+        shared: Shared | None = None,
+        lease_s: float = 15.0,
     ) -> None:
         self.store, self.settings, self.clock, self.logs = store, settings, clock, logs
+        #: The store's side shared with other daemons (PostgreSQL), or None (SQLite: one daemon).
+        self.shared = shared
         self.metrics = metrics
         #: Called when a workflow has ended durably; `main` wakes the hooks.
         self.on_ended: Callable[[], None] | None = None
@@ -120,16 +125,89 @@ class Runtime:
             store=store,
             running=self._running,
             workflow_type=lambda name: self.cache.registry.get(name),
+            # Shared, a Resuming workflow with no actor here is running (or about to be claimed)
+            # somewhere: it is blocked once its status says so.
+            elsewhere=(lambda row: False)
+            if shared is None
+            else lambda row: (
+                row.status == WorkflowStatus.RESUMING.value
+                and not self.scheduler.hold.holds(row.id)
+            ),
         )
         #: Told each workflow whose actor exited, with its status then (schedules wait on it).
         self.on_exit: Callable[[str, str | None], None] | None = None
         self.scheduler.on_exit = self._exited
         hold = self.scheduler.hold
+        # Shared, the janitor is one of the singleton duties: the leader's.
+        leads = shared.leads if shared is not None else lambda: True
         self.janitor = Janitor(
             store=store,
             cache=self.cache,
-            skip=lambda wid: self.scheduler.running(wid) or hold.holds(wid),
+            skip=lambda wid: self.scheduler.running(wid) or hold.holds(wid) or not leads(),
         )
+        self.leases = (
+            None
+            if shared is None
+            else Leases(
+                shared=shared,
+                lease_s=lease_s,
+                recover=self._claimed,
+                submit=self.scheduler.submit,
+                lose=self._lost,
+                ended=self._ended_somewhere,
+                waited=self.endings.waited,
+                stopping=lambda: self.scheduler.stopping,
+                pinned=self.arms.pinned,
+            )
+        )
+
+    async def _claimed(self, row: WorkflowRow, moved: bool = False) -> str:
+        """Take up a workflow this daemon just claimed: resume or re-arm it, from its row.
+
+        `moved`: its node-local waits were set up on a node gone for `pin_timeout_s`; they are
+        set up again here (the resume runs their setup).
+        """
+        self.cache.forget(row.id)  # a copy from an earlier lease of it may be stale
+        if moved:
+            row = self._set_up_again(row)
+        return await self.recovery.recover_one(row)
+
+    def _set_up_again(self, row: WorkflowRow) -> WorkflowRow:
+        """Return `row` with its FileWatch and SocketListen waits due for setup again."""
+        try:
+            loaded = self.cache.decode(row)
+            events = Definition(loaded.wf.definition()).events
+        except Exception:  # noqa: BLE001 - recovery holds it and says why
+            return row
+        for t in loaded.state.threads:
+            for ev in t.wait_events:
+                on = events.get(ev.req.name)
+                kind = getattr(on.handler, "type", "") if on is not None else ""
+                if ev.status is EventStatus.SETUP and kind in NODE_LOCAL:
+                    ev.status = EventStatus.PENDING_SETUP
+        return dataclasses.replace(row, state=loaded.state.to_json())
+
+    def _lost(self, workflow_id: str) -> None:
+        """Drop a workflow whose lease another daemon took: stop its actor, disarm its waits."""
+        log.warning("lease_lost", workflow_id=workflow_id)
+        actor = self.scheduler.actor(workflow_id)
+        if actor is not None:
+            actor.lose()
+        self.arms.disarm_workflow(workflow_id)
+        self.cache.forget(workflow_id)
+
+    def _ended_somewhere(self, workflow_id: str) -> None:
+        """Wake what waits for endings: a workflow ended or waits (on this daemon or another)."""
+        self.endings.exited(workflow_id)
+        self.children.ended(workflow_id)  # a parent here re-reads its child's row
+        if self.on_ended is not None:
+            self.on_ended()
+
+    def _remote(self, workflow_id: str) -> Leases | None:
+        """Return the way to another daemon if it (or nobody yet) runs the workflow."""
+        if self.leases is None or self.shared is None or self.shared.owns(workflow_id):
+            return None
+        return self.leases
 
     def _running(self, workflow_id: str) -> bool:
         return self.scheduler.running(workflow_id)
@@ -169,18 +247,29 @@ class Runtime:
         clock: Clock | None = None,
         logs: LogSource | None = None,
         metrics: Metrics | None = None,
+        shared: Shared | None = None,
+        lease_s: float = 15.0,
     ) -> AsyncIterator[Runtime]:
-        """Run a runtime (recovering every unfinished workflow) until the block exits."""
+        """Run a runtime (recovering every unfinished workflow) until the block exits.
+
+        On a `shared` store it recovers only what it claims (daemon.runtime.leases), a batch
+        at a time, and goes on claiming while it runs.
+        """
         clock = clock or get_clock()
         use_clock(clock)  # handlers read it through get_clock() in every task started from here
         async with anyio.create_task_group() as tg:
-            rt = cls(store, registry, settings or Settings(), tg, clock, logs, metrics)
+            rt = cls(
+                store, registry, settings or Settings(), tg, clock, logs, metrics, shared, lease_s
+            )
             use_children(rt.children)  # Child handlers find it as they find the clock
             tg.start_soon(rt.arms.run_timers)
             tg.start_soon(rt.deadlines.run)
             try:
-                await rt.recover()
-                tg.start_soon(rt.recovery.check_rest)
+                if rt.leases is not None:
+                    await tg.start(rt.leases.run)
+                else:
+                    await rt.recover()
+                    tg.start_soon(rt.recovery.check_rest)
                 tg.start_soon(rt.janitor.run)
                 log_findings(registry)
                 yield rt
@@ -356,6 +445,8 @@ class Runtime:
         """Run a workflow whose row was just written."""
         wid = row.id
         log.info("workflow_started", workflow_id=wid, workflow=row.name, parent=row.parent)
+        if self.leases is not None:  # whichever daemon is free claims it (woken by a NOTIFY)
+            return {"workflow_id": wid, "status": loaded.state.status.value, "created": True}
         if row.deadline is not None:
             self.deadlines.add(wid, row.deadline)
         self.cache.remember(loaded)
@@ -374,6 +465,12 @@ class Runtime:
     ) -> Any:
         """Deliver an event; returns the handler's output once it is durable."""
         self._check_open()
+        remote = self._remote(workflow_id)
+        if remote is not None:
+            await self._row_open(workflow_id)
+            return await remote.send(
+                workflow_id, event, input, thread_id=thread_id or "", pc=pc or 0, wait=wait
+            )
         unfit = self.scheduler.hold.incompatible.get(workflow_id)
         if unfit is not None:
             raise Conflict(f"workflow {workflow_id} does not fit the running code: {unfit}")
@@ -394,6 +491,14 @@ class Runtime:
             workflow_id, Item("callback", req=req, input=input, inbox_id=inbox_id)
         )
         return {"queued": True}
+
+    async def _row_open(self, workflow_id: str) -> None:
+        """Raise unless the stored workflow exists and has not ended (a request for it may wait)."""
+        row = await self.store.get(workflow_id)
+        if row is None:
+            raise WorkflowNotFound(f"no workflow {workflow_id!r}")
+        if row.status in FINAL_STATUSES:
+            raise CallbackNotFound(f"workflow {workflow_id} is {row.status}")
 
     async def _start_child(
         self, workflow: str, workflow_id: str, input: dict[str, Any] | None, parent: str
@@ -417,6 +522,17 @@ class Runtime:
         for the history record; `error` says why (a deadline that passed).
         """
         self._check_open()
+        remote = self._remote(workflow_id)
+        if remote is not None:
+            row = await self.store.get(workflow_id)
+            if row is None:
+                raise WorkflowNotFound(f"no workflow {workflow_id!r}")
+            if row.status in FINAL_STATUSES:
+                return _cancelled_again(workflow_id, row.status)
+            done = await remote.cancel(workflow_id, {"by": by, "error": error})
+            status = done.get("status") if isinstance(done, dict) else None
+            # It may have ended otherwise meanwhile, on its owner: said as for a local one.
+            return _cancelled_again(workflow_id, str(status or WorkflowStatus.CANCELLED.value))
         try:
             loaded = await self.cache.load(workflow_id)
         except Conflict as e:  # its row does not decode: no actor can load it
@@ -533,6 +649,8 @@ class Runtime:
             out["held"] = True
         if retry is not None:
             out["retry"] = retry
+        if self.shared is not None:
+            out["owner"] = await self.shared.owner_of(workflow_id)
         return out
 
     async def _retry_of(self, row: WorkflowRow) -> dict[str, Any]:

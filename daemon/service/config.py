@@ -72,8 +72,11 @@ class StoreConfig:
     passfile: Path | None = field(default=None, metadata={"kind": "optpath"})
     #: This daemon's name among those sharing a PostgreSQL database (default: the hostname).
     node_id: str = _opt("str", "")
-    #: How long a PostgreSQL lease lasts unrenewed: a dead daemon's standby takes over after it.
+    #: How long a PostgreSQL lease lasts unrenewed: a dead daemon's workflows go to the others.
     lease_s: float = _opt("float", 15.0, gt=0)
+    #: How long the node a FileWatch or SocketListen wait is pinned to may be gone before another
+    #: node claims the workflow and sets the wait up again (`wait_moved`).
+    pin_timeout_s: float = _opt("float", 300.0, gt=0)
 
     @property
     def backups(self) -> Path:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from daemon.errors import Unavailable
+
 #: Where a listing stopped: the last row's (updated_at, rowid).
 Position = tuple[float, int]
 #: History entries written with a change: (kind, detail).
@@ -289,4 +291,104 @@ class Sleepers(Protocol):
 
     def awake(self, *, page: int = 1000) -> AsyncIterator[WorkflowRow]:
         """Yield every unfinished workflow that is not Waiting, a page at a time."""
+        ...
+
+
+# -- several daemons on one database (PostgreSQL); SQLite has no `Shared`: it owns everything --
+
+
+class WorkflowLost(Unavailable):
+    """Another daemon holds this workflow's lease now: this one wrote nothing for it."""
+
+
+@dataclass(slots=True)
+class Taken:
+    """An inbox row an owner took: a callback or a cancel, and who waits for its answer."""
+
+    row: InboxRow
+    #: "callback" or "cancel".
+    kind: str = "callback"
+    #: The daemon (holder name) that received the request and waits for the answer, or None.
+    reply_to: str | None = None
+
+
+@dataclass(slots=True)
+class Claimed:
+    """Workflows this daemon just took the leases of, with the inbox rows they had."""
+
+    rows: builtins.list[WorkflowRow]
+    taken: builtins.list[Taken]
+    #: The workflows among them whose pinned wait's node was gone: their setup is redone here.
+    moved: builtins.list[str]
+    #: Seconds until the first lease another daemon holds runs out, if any.
+    next_expiry_s: float | None = None
+
+
+class Shared(Protocol):
+    """A store several daemons share: per-workflow leases, wake-ups, answers across daemons."""
+
+    #: The node_id of this daemon.
+    node_id: str
+    #: This daemon's unique name on the database (the `owner` of what it holds).
+    holder: str
+
+    def owns(self, workflow_id: str) -> bool:
+        """Tell whether this daemon holds the workflow's lease (as far as it knows)."""
+        ...
+
+    def leads(self) -> bool:
+        """Tell whether this daemon runs the singleton duties (it holds the leader row)."""
+        ...
+
+    async def claim(self, limit: int) -> Claimed:
+        """Take the leases of up to `limit` workflows nobody holds (and their inbox rows)."""
+        ...
+
+    async def renew(self) -> builtins.list[str]:
+        """Extend every lease held, note this daemon alive; return the workflows lost."""
+        ...
+
+    def drop(self, workflow_id: str) -> None:
+        """Forget a workflow's lease (lost, or its workflow dropped from memory)."""
+        ...
+
+    async def take_inbox(self) -> builtins.list[Taken]:
+        """Take the new inbox rows of the workflows this daemon owns."""
+        ...
+
+    async def request(
+        self,
+        workflow_id: str,
+        kind: str,
+        event: str,
+        input: Any,
+        *,
+        thread_id: str = "",
+        pc: int = 0,
+        reply: bool = False,
+    ) -> int:
+        """Store a callback or cancel for the workflow's owner, durably, and wake it."""
+        ...
+
+    async def answer(
+        self, inbox_id: int, reply_to: str, ok: bool, value: Any, *, done: bool
+    ) -> None:
+        """Store the answer to a request for the daemon waiting for it (`done`: drop the row)."""
+        ...
+
+    async def answers(self) -> builtins.list[tuple[int, bool, Any]]:
+        """Take the answers stored for this daemon: (inbox id, ok, value or error)."""
+        ...
+
+    async def owner_of(self, workflow_id: str) -> str | None:
+        """Return the node_id of the daemon holding the workflow's lease, if any."""
+        ...
+
+    async def pin(self, pin: Sequence[str], unpin: Sequence[str]) -> None:
+        """Pin workflows held here to this node (a FileWatch or SocketListen wait set up here),
+        or unpin them."""
+        ...
+
+    async def listen(self, wake: Any) -> None:
+        """Call `wake(channel, payload)` for each notification until cancelled (reconnecting)."""
         ...

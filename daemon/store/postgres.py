@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import socket
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from daemon.observe.hooks import HookRow
 from daemon.observe.metrics import Metrics
 from daemon.store import postgres_schema as schema
 from daemon.store.base import (
+    Claimed,
     FireRecord,
     History,
     HistoryRow,
@@ -27,10 +29,11 @@ from daemon.store.base import (
     Position,
     ScheduleFire,
     ScheduleRow,
+    Taken,
+    WorkflowLost,
     WorkflowRow,
 )
-from daemon.store.postgres_lease import Claim, Lease, LeaseLost, close, holder_name
-from daemon.store.postgres_lease import claim as claim_database
+from daemon.store.postgres_lease import Node, close, connect
 from daemon.store.postgres_writer import Conn, PgGroupWriter, broken
 from daemon.store.schema import FINAL, FIRES_KEPT, detail_of, to_json
 
@@ -45,47 +48,67 @@ LISTER_POOL_SIZE = 2
 #: Where `updated_at` is in a row of schema.COLS (a list page's position is made of it).
 UPDATED_AT = [c.strip() for c in schema.COLS.split(",")].index("updated_at")
 Entries = Sequence[tuple[float, str, str]]
+#: Workflows that ended here whose generation is kept for their last writes.
+ENDED_KEPT = 4096
+#: How long (at least; two leases if longer) writes of a workflow lost are refused at once.
+LOST_HOLD_S = 5.0
+#: Lost workflows are forgotten after this long (their copies are long gone).
+LOST_FORGET_S = 3600.0
+#: The channels LISTEN/NOTIFY wakes daemons on (hints only: sweeps catch what is missed).
+WORK, INBOX, REPLY, STATUS = (
+    "workflowd_work",
+    "workflowd_inbox",
+    "workflowd_reply",
+    "workflowd_status",
+)
+NOTIFY_WORK = f"SELECT pg_notify('{WORK}', '')"
+NOTIFY_INBOX = f"SELECT pg_notify('{INBOX}', $1)"
+INSERT_INBOX = (
+    "INSERT INTO inbox (workflow_id, event, thread_id, pc, input, created_at, kind, reply_to,"
+    " taken) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) RETURNING id"
+)
 
 
 class PostgresStore:
-    """Workflows in a PostgreSQL database; one writer task commits every write in groups."""
+    """Workflows in a PostgreSQL database; one writer task commits every write in groups.
+
+    Several daemons share the database: each holds the leases of the workflows it runs
+    (`claim`, `renew`), and every write of a workflow checks the lease's generation, so one
+    that lost it (to a daemon that found it expired) writes nothing for it.
+    """
 
     def __init__(
         self,
         where: str,
         pool: asyncpg.Pool,
         keep: int,
-        lease: Lease,
+        node: Node,
         metrics: Metrics | None = None,
         lister: asyncpg.Pool | None = None,
+        *,
+        args: dict[str, Any] | None = None,
+        pin_timeout_s: float = 300.0,
     ) -> None:
         #: The DSN without its password: what logs and messages name.
         self.where = where
         self.path = Path(where)
-        self.lease = lease
+        self.node = node
+        self.node_id, self.holder = node.node_id, node.holder
+        self.pin_timeout_s = pin_timeout_s
+        self._args = args or {}
         self._pool = pool
         self._lister = lister or pool
-        self._writes = PgGroupWriter(pool, fence=lease.fence, metrics=metrics)
+        self._writes = PgGroupWriter(pool, metrics=metrics)
         self.stats = self._writes.stats
         self._keep = keep
-
-    #: Connect, migrate, and wait as a standby until this daemon holds the database's lease.
-    claim = staticmethod(claim_database)
-
-    @classmethod
-    @contextlib.asynccontextmanager
-    async def reader(
-        cls, dsn: str, *, passfile: Path | None = None, node_id: str = "", lease_s: float = 15.0
-    ) -> AsyncIterator[PostgresStore]:
-        """Open the database for reads only (a standby's view); it writes nothing."""
-        node_id = node_id or socket.gethostname()
-        lease = Lease(holder_name(node_id), node_id, lease_s, lost=True)  # never held: no writes
-        args = schema.connect_args(dsn, passfile, lease.holder)
-        pool = await asyncpg.create_pool(**args, min_size=1, max_size=2)
-        try:
-            yield cls(schema.redact(dsn), pool, 1, lease)
-        finally:
-            await _close_pool(pool)
+        #: The workflows this daemon holds the lease of, and the lease's generation.
+        self._owned: dict[str, int] = {}
+        #: Workflows that ended here lately, by generation: their last writes (the end is saved
+        #: more than once) need no lease, nor a claim each.
+        self._ended: OrderedDict[str, int] = OrderedDict()
+        #: Workflows whose lease this daemon lost, and when (monotonic): a copy of one still in
+        #: memory (a step that was running) must not take it back for its write.
+        self._lost: dict[str, float] = {}
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -97,42 +120,31 @@ class PostgresStore:
         history_keep: int = 1000,
         node_id: str = "",
         lease_s: float = 15.0,
-        claim: Claim | None = None,
+        pin_timeout_s: float = 300.0,
         metrics: Metrics | None = None,
     ) -> AsyncIterator[PostgresStore]:
-        """Claim the database (unless `claim` did), open a pool; drain, release, disconnect on exit.
-
-        When the lease is lost (another daemon took over) the block is cancelled, nothing
-        more is written, and LeaseLost is raised.
-        """
+        """Connect, migrate, open the pools; on exit drain the writer and hand the leases on."""
         if history_keep < 1:
             raise ConfigError(f"history_keep must be at least 1, not {history_keep}")
-        if claim is None:
-            claim = await cls.claim(dsn, passfile=passfile, node_id=node_id, lease_s=lease_s)
-        lease = claim.lease
+        opened = await connect(dsn, passfile=passfile, node_id=node_id, lease_s=lease_s)
         async with contextlib.AsyncExitStack() as stack:
-            stack.push_async_callback(close, claim.conn)
-            stack.push_async_callback(_release, claim.conn, lease)
             try:
-                pool = await asyncpg.create_pool(**claim.args, min_size=1, max_size=POOL_SIZE)
+                pool = await asyncpg.create_pool(**opened.args, min_size=1, max_size=POOL_SIZE)
                 stack.push_async_callback(_close_pool, pool)
                 lister = await asyncpg.create_pool(
-                    **claim.args, min_size=1, max_size=LISTER_POOL_SIZE
+                    **opened.args, min_size=1, max_size=LISTER_POOL_SIZE
                 )
                 stack.push_async_callback(_close_pool, lister)
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
-                raise schema.unusable(claim.where, e) from None
-            store = cls(claim.where, pool, history_keep, lease, metrics, lister)
+                raise schema.unusable(opened.where, e) from None
+            store = cls(
+                opened.where, pool, history_keep, opened.node, metrics, lister,
+                args=opened.args, pin_timeout_s=pin_timeout_s,
+            )  # fmt: skip
+            stack.push_async_callback(_goodbye, pool, opened.node)
             failure: Exception | None = None
             async with anyio.create_task_group() as tg:
-
-                async def keep() -> None:
-                    with contextlib.suppress(LeaseLost):
-                        await lease.keep(pool)
-                    tg.cancel_scope.cancel()  # the daemon on top stops; its writes are fenced
-
                 tg.start_soon(store._writes.run)
-                tg.start_soon(keep)
                 try:
                     yield store
                 except Exception as e:  # noqa: BLE001 - raised below, outside the task group
@@ -142,8 +154,6 @@ class PostgresStore:
                     tg.cancel_scope.cancel()
             if failure is not None:
                 raise failure
-            if lease.lost:
-                raise LeaseLost(f"another workflowd took {claim.where} over")
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -156,23 +166,66 @@ class PostgresStore:
             await conn.execute(schema.TRIM_HISTORY, wid, last - self._keep)
 
     async def _update(
-        self, wid: str, sql: str, head: tuple[Any, ...], history: History, done: Sequence[int] = ()
+        self,
+        wid: str,
+        sql: str,
+        head: tuple[Any, ...],
+        history: History,
+        done: Sequence[int] = (),
+        *,
+        final: bool = False,
     ) -> None:
-        """Run an UPDATE ending in `updated_at`, `history_seq`, `id`; append history; drop inbox rows.
+        """Run a fenced UPDATE ending in `updated_at`, `history_seq`, `id`; append history; drop
+        inbox rows. All of it is one statement (schema.fenced): a checkpoint costs one round trip.
 
-        All of it is one statement (schema.with_history): a checkpoint costs one round trip.
+        It writes only under this daemon's lease of the workflow: one it does not hold is taken
+        first if nobody else holds it (a repair, the janitor); otherwise WorkflowLost.
         """
+        lost = self._lost.get(wid)
+        if lost is not None:
+            if time.monotonic() - lost < max(2 * self.node.lease_s, LOST_HOLD_S):
+                raise WorkflowLost(f"another daemon took workflow {wid} over")
+            del self._lost[wid]
         now = get_clock().now()
         kinds = [kind for kind, _ in history]
         details = [to_json(detail) for _, detail in history]
         params = (*head, now, len(kinds), wid) if head else (len(kinds), wid)
         extra = (kinds, details, now, self._keep, builtins.list(done))
 
-        async def apply(conn: Conn) -> None:
-            if await conn.fetchval(sql, *params, *extra) is None:
-                raise WorkflowNotFound(f"no workflow {wid!r}")
+        async def apply(conn: Conn) -> tuple[int, bool] | None:
+            generation, taken = self._owned.get(wid) or self._ended.get(wid), False
+            if generation is None:
+                generation = await conn.fetchval(
+                    schema.CLAIM_ONE, wid, self.holder, self.node.lease_s
+                )
+                if generation is None:
+                    if await conn.fetchval("SELECT 1 FROM workflows WHERE id = $1", wid) is None:
+                        raise WorkflowNotFound(f"no workflow {wid!r}")
+                    raise WorkflowLost(f"workflow {wid} is run by another daemon")
+                taken = True
+            if await conn.fetchval(sql, *params, *extra, generation) is None:
+                return None  # another daemon claimed it: nothing was written
+            return generation, taken
 
-        await self._writes.submit(apply)
+        outcome = await self._writes.submit(apply)
+        if outcome is None:
+            self._owned.pop(wid, None)
+            self._ended.pop(wid, None)
+            self._lost[wid] = time.monotonic()
+            if await self.get(wid) is None:
+                raise WorkflowNotFound(f"no workflow {wid!r}")
+            raise WorkflowLost(f"another daemon took workflow {wid} over")
+        generation, taken = outcome
+        if final:
+            self._owned.pop(wid, None)  # an ended workflow needs no lease
+            self._ended[wid] = generation
+            self._ended.move_to_end(wid)
+            while len(self._ended) > ENDED_KEPT:
+                self._ended.popitem(last=False)
+        else:
+            self._ended.pop(wid, None)
+            if taken:
+                self._owned[wid] = generation
 
     def _insert_params(self, row: WorkflowRow, n_entries: int, now: float) -> tuple[Any, ...]:
         return (
@@ -192,6 +245,7 @@ class PostgresStore:
                 return False
             if entries:
                 await self._append(conn, row.id, len(entries), entries)
+            await conn.execute(NOTIFY_WORK)  # delivered at commit: whoever is free claims it
             return True
 
         created: bool = await self._writes.submit(apply)
@@ -212,7 +266,9 @@ class PostgresStore:
     ) -> None:
         """Save data, state and status, append history and drop applied inbox rows, atomically."""
         head = (status, data, state, error, attempt, next_run_at)
-        await self._update(workflow_id, schema.CHECKPOINT, head, history, inbox_done)
+        await self._update(
+            workflow_id, schema.CHECKPOINT_FENCED, head, history, inbox_done, final=status in FINAL
+        )
 
     async def set_status(
         self,
@@ -226,24 +282,30 @@ class PostgresStore:
     ) -> None:
         """Change the status (and error, attempt, next run) and append history, atomically."""
         head = (status, error, attempt, next_run_at)
-        await self._update(workflow_id, schema.SET_STATUS, head, history)
+        await self._update(
+            workflow_id, schema.SET_STATUS_FENCED, head, history, final=status in FINAL
+        )
 
     async def add_history(self, workflow_id: str, kind: str, detail: dict[str, Any]) -> None:
         """Append one history entry to the workflow."""
-        await self._update(workflow_id, schema.ADD_HISTORY, (), [(kind, detail)])
+        await self._update(workflow_id, schema.ADD_HISTORY_FENCED, (), [(kind, detail)])
 
     async def inbox_put(
         self, workflow_id: str, event: str, input: Any, *, thread_id: str = "", pc: int = 0
     ) -> int:
         """Record a callback durably and return its inbox id."""
+        # Queued by its owner for its own actor: taken already, or the owner would take it twice.
+        taken = self.holder if workflow_id in self._owned else None
         params = (workflow_id, event, thread_id, pc, to_json(input), get_clock().now())
+        return await self._insert_inbox(params, "callback", None, taken)
 
+    async def _insert_inbox(
+        self, params: tuple[Any, ...], kind: str, reply_to: str | None, taken: str | None
+    ) -> int:
         async def apply(conn: Conn) -> int:
-            inbox_id: int = await conn.fetchval(
-                "INSERT INTO inbox (workflow_id, event, thread_id, pc, input, created_at)"
-                " VALUES ($1, $2, $3, $4, $5, $6) RETURNING id",
-                *params,
-            )
+            inbox_id: int = await conn.fetchval(INSERT_INBOX, *params, kind, reply_to, taken)
+            if taken is None:
+                await conn.execute(NOTIFY_INBOX, params[0])
             return inbox_id
 
         inbox_id: int = await self._writes.submit(apply)
@@ -370,7 +432,7 @@ class PostgresStore:
         """Return the callbacks not yet applied (of one workflow, or all), oldest first."""
         rows = await self._read(
             "SELECT id, workflow_id, event, thread_id, pc, input, created_at FROM inbox"
-            " WHERE $1::text IS NULL OR workflow_id = $1 ORDER BY id",
+            " WHERE ($1::text IS NULL OR workflow_id = $1) AND kind = 'callback' ORDER BY id",
             workflow_id,
         )
         out = []
@@ -389,11 +451,11 @@ class PostgresStore:
         )
 
     async def nodes(self) -> builtins.list[dict[str, Any]]:
-        """Return the daemons seen lately on this database (`ping`), the lease holder marked."""
+        """Return the daemons seen within a lease on this database (`ping`), the leader marked."""
         if self._writes.closed:
             raise Unavailable("the store is closed")
         async with self._pool.acquire() as conn:
-            return await self.lease.nodes(conn)
+            return await self.node.nodes(conn)
 
     async def counts(self) -> dict[str, int]:
         """Return how many workflows are in each status."""
@@ -477,7 +539,10 @@ class PostgresStore:
             created = await conn.execute(schema.INSERT_WORKFLOW, *params) == "INSERT 0 1"
             if created and entries:
                 await self._append(conn, row.id, len(entries), entries)
-            await self._advance(conn, name, sets, records)
+            if created:
+                await conn.execute(NOTIFY_WORK)
+            # Another daemon fired this nominal time first: it recorded the fire.
+            await self._advance(conn, name, sets, records if created else ())
             return created
 
         created: bool = await self._writes.submit(apply)
@@ -610,16 +675,193 @@ class PostgresStore:
         rows = await self._read("SELECT COUNT(*) FROM inbox")
         return int(rows[0][0])
 
+    # -- sharing the work with the other daemons (daemon.store.base.Shared) ----------------
+
+    def owns(self, workflow_id: str) -> bool:
+        """Tell whether this daemon holds the workflow's lease, as of its last claim or renewal."""
+        return workflow_id in self._owned
+
+    def leads(self) -> bool:
+        """Tell whether this daemon held the leader row at its last renewal."""
+        return self.node.leader
+
+    def drop(self, workflow_id: str) -> None:
+        """Forget a workflow's lease: its writes from now on must take it again first."""
+        self._owned.pop(workflow_id, None)
+
+    async def claim(self, limit: int) -> Claimed:
+        """Take the leases of up to `limit` unfinished workflows nobody holds, in one short
+        transaction (FOR UPDATE SKIP LOCKED), with every inbox row they have."""
+        if self._writes.closed:
+            raise Unavailable("the store is closed")
+        async with self._pool.acquire() as conn, conn.transaction():
+            rows = await conn.fetch(
+                schema.CLAIM, self.holder, self.node_id, limit, self.node.lease_s,
+                self.pin_timeout_s,
+            )  # fmt: skip
+            ids = [r[0] for r in rows]
+            inbox = await conn.fetch(schema.TAKE_CLAIMED, self.holder, ids) if ids else []
+            expiry = await conn.fetchval(schema.NEXT_EXPIRY, self.holder)
+        claimed = []
+        for r in rows:
+            self._owned[r[0]] = r[-2]
+            self._lost.pop(r[0], None)
+            claimed.append(WorkflowRow(*r[:-2]))
+        moved = [r[0] for r in rows if r[-1] is not None and r[-1] != self.node_id]
+        return Claimed(claimed, _taken(inbox), moved, None if expiry is None else float(expiry))
+
+    async def renew(self) -> builtins.list[str]:
+        """Extend every lease this daemon holds and note it alive; return the workflows lost."""
+        held = dict(self._owned)
+        async with self._pool.acquire() as conn:
+            kept = {
+                r[0]
+                for r in await conn.fetch(
+                    schema.RENEW, self.holder, self.node.lease_s, builtins.list(held),
+                    builtins.list(held.values()),
+                )
+            }  # fmt: skip
+            await self.node.beat(conn)
+        # One claimed again meanwhile (a newer generation) is not lost.
+        lost = [w for w, g in held.items() if w not in kept and self._owned.get(w) == g]
+        at = time.monotonic()
+        for wid in lost:
+            self._owned.pop(wid, None)
+            self._lost[wid] = at
+        for wid in [w for w, t in self._lost.items() if at - t > LOST_FORGET_S]:
+            del self._lost[wid]
+        return lost
+
+    async def take_inbox(self) -> builtins.list[Taken]:
+        """Take the inbox rows nobody took yet of the workflows this daemon holds."""
+        if not self._owned:
+            return []
+        async with self._pool.acquire() as conn:
+            rows = await conn.fetch(schema.TAKE_NEW, self.holder)
+        return [t for t in _taken(rows) if t.row.workflow_id in self._owned]
+
+    async def request(
+        self,
+        workflow_id: str,
+        kind: str,
+        event: str,
+        input: Any,
+        *,
+        thread_id: str = "",
+        pc: int = 0,
+        reply: bool = False,
+    ) -> int:
+        """Store a callback or a cancel for the workflow's owner, durably, and wake it."""
+        params = (workflow_id, event, thread_id, pc, to_json(input), get_clock().now())
+        return await self._insert_inbox(params, kind, self.holder if reply else None, None)
+
+    async def answer(
+        self, inbox_id: int, reply_to: str, ok: bool, value: Any, *, done: bool
+    ) -> None:
+        """Store the answer to a request for the daemon that waits for it, and wake that one."""
+        now = get_clock().now()
+
+        async def apply(conn: Conn) -> None:
+            await conn.execute(
+                "INSERT INTO replies (inbox_id, reply_to, ok, value, at) VALUES ($1, $2, $3, $4, $5)"
+                " ON CONFLICT (inbox_id) DO UPDATE SET ok = $3, value = $4, at = $5",
+                inbox_id, reply_to, ok, to_json(value), now,
+            )  # fmt: skip
+            if done:
+                await conn.execute(schema.DELETE_INBOX, [inbox_id])
+            await conn.execute(f"SELECT pg_notify('{REPLY}', $1)", reply_to)
+
+        await self._writes.submit(apply)
+
+    async def answers(self) -> builtins.list[tuple[int, bool, Any]]:
+        """Take the answers stored for this daemon: (inbox id, ok, value or error)."""
+        async with self._pool.acquire() as conn:
+            rows = await conn.fetch(
+                "DELETE FROM replies WHERE reply_to = $1 RETURNING inbox_id, ok, value",
+                self.holder,
+            )
+        return [(i, ok, msgspec.json.decode(v)) for i, ok, v in rows]
+
+    async def owner_of(self, workflow_id: str) -> str | None:
+        """Return the node_id of the daemon holding the workflow's lease, if any."""
+        rows = await self._read(schema.OWNER_OF, workflow_id)
+        return rows[0][0] if rows else None
+
+    async def pin(self, pin: Sequence[str], unpin: Sequence[str]) -> None:
+        """Pin workflows held here to this node, or unpin them (under their leases' generation)."""
+        pairs = [(w, self.node_id) for w in pin] + [(w, None) for w in unpin]
+        held = [(w, n, self._owned[w]) for w, n in pairs if w in self._owned]
+        if not held:
+            return
+        ids, nodes, generations = (builtins.list(x) for x in zip(*held, strict=True))
+
+        async def apply(conn: Conn) -> None:
+            await conn.execute(
+                "UPDATE workflows w SET pin_node = t.node"
+                " FROM unnest($1::text[], $2::text[], $3::bigint[]) AS t(id, node, g)"
+                " WHERE w.id = t.id AND w.generation = t.g",
+                ids, nodes, generations,
+            )  # fmt: skip
+
+        await self._writes.submit(apply)
+
+    async def listen(self, wake: Callable[[str, str], None]) -> None:
+        """Call `wake(channel, payload)` for each notification, until cancelled.
+
+        A lost connection is opened again; `wake("connected", "")` after each (re)connect
+        tells the caller to sweep for what it may have missed meanwhile.
+        """
+        backoff = 0.5
+        while True:
+            conn: asyncpg.Connection | None = None
+            try:
+                conn = await asyncpg.connect(**self._args)
+                gone = anyio.Event()
+                conn.add_termination_listener(lambda _conn, gone=gone: gone.set())
+
+                def heard(_conn: Any, _pid: int, channel: str, payload: object) -> None:
+                    wake(channel, str(payload))
+
+                for channel in (WORK, INBOX, REPLY, STATUS):
+                    await conn.add_listener(channel, heard)
+                wake("connected", "")
+                backoff = 0.5
+                while not conn.is_closed():
+                    with anyio.move_on_after(max(self.node.lease_s / 3, 0.5)):
+                        await gone.wait()
+                    if not conn.is_closed():
+                        await conn.execute("SELECT 1")  # a server that vanished is noticed
+            except Exception as e:  # noqa: BLE001 - retried: notifications are only hints
+                log.warning("listen_failed", error=f"{type(e).__name__}: {e}", retry_in_s=backoff)
+            finally:
+                if conn is not None:
+                    with contextlib.suppress(Exception):
+                        await close(conn)
+            await anyio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+
+def _taken(rows: Sequence[asyncpg.Record]) -> builtins.list[Taken]:
+    """Turn taken inbox rows into Taken, oldest first; a row that does not decode is logged."""
+    out = []
+    for i, w, e, t, pc, x, at, kind, reply_to in sorted(rows, key=lambda r: r[0]):
+        try:
+            out.append(Taken(InboxRow(i, w, e, t, pc, msgspec.json.decode(x), at), kind, reply_to))
+        except msgspec.DecodeError as err:  # one bad row must not stop the others
+            log.error("inbox_corrupt", inbox_id=i, workflow_id=w, event_name=e, error=str(err))
+    return out
+
 
 async def _close_pool(pool: asyncpg.Pool) -> None:
     with anyio.CancelScope(shield=True):
         await pool.close()
 
 
-async def _release(conn: Conn, lease: Lease) -> None:
-    """Hand the lease on at a clean stop; a connection gone already has released it too."""
+async def _goodbye(pool: asyncpg.Pool, node: Node) -> None:
+    """Hand the leases on at a clean stop (the writer is closed: nothing more is written)."""
     with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-        await lease.release(conn)
+        async with pool.acquire() as conn:
+            await node.goodbye(conn)
 
 
 # -- schedules: many fires, each statement over arrays ----------------------------------------

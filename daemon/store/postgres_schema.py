@@ -9,6 +9,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import asyncpg
 
 from daemon.errors import ConfigError, StoreUnusable
+from daemon.store.schema import FINAL
 
 #: The advisory lock key (pg_advisory_xact_lock) migrations run under.
 MIGRATE_LOCK = 0x77666D69  # "wfmi"
@@ -16,6 +17,10 @@ COLS = (
     "id, name, status, data, state, error, attempt, next_run_at, created_at, updated_at,"
     " parent, deadline"
 )
+
+#: The partial indexes' condition: a workflow that has not ended (schema.FINAL, spelled out
+#: because an index predicate takes no parameters).
+UNFINISHED = "status NOT IN (" + ", ".join(f"'{s}'" for s in FINAL) + ")"
 
 #: MIGRATIONS[n] takes the schema from version n to n + 1; append new ones, never edit old ones.
 MIGRATIONS: list[str] = [
@@ -104,6 +109,37 @@ MIGRATIONS: list[str] = [
     CREATE INDEX workflows_name_updated ON workflows (name, updated_at, rid);
     CREATE INDEX workflows_parent ON workflows (parent, updated_at, rid) WHERE parent IS NOT NULL
     """,
+    # Several daemons sharing the work (issue 18): each unfinished workflow is owned by one
+    # daemon (`owner`, its connections' application_name) until `lease_until` (server time);
+    # every claim bumps `generation`, and every write checks it. `pin_node` is the node_id a
+    # FileWatch or SocketListen wait was set up on. Inbox rows say what they ask (`kind`), who
+    # waits for the answer (`reply_to`) and which owner took them (`taken`); `replies` holds
+    # the answers until the daemon that received the request reads them.
+    f"""
+    ALTER TABLE workflows ADD COLUMN owner TEXT,
+        ADD COLUMN lease_until DOUBLE PRECISION NOT NULL DEFAULT 0,
+        ADD COLUMN generation BIGINT NOT NULL DEFAULT 0,
+        ADD COLUMN pin_node TEXT;
+    CREATE INDEX workflows_claimable ON workflows (lease_until) WHERE {UNFINISHED};
+    CREATE INDEX workflows_owner ON workflows (owner) WHERE {UNFINISHED};
+    ALTER TABLE inbox ADD COLUMN kind TEXT NOT NULL DEFAULT 'callback',
+        ADD COLUMN reply_to TEXT, ADD COLUMN taken TEXT;
+    CREATE TABLE replies (
+        inbox_id BIGINT PRIMARY KEY, reply_to TEXT NOT NULL, ok BOOLEAN NOT NULL,
+        value TEXT NOT NULL, at DOUBLE PRECISION NOT NULL
+    );
+    CREATE INDEX replies_to ON replies (reply_to);
+    -- a status change out of Resuming (a wait, an end): `wait` on any daemon is woken by it
+    CREATE FUNCTION workflowd_notify_status() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        PERFORM pg_notify('workflowd_status', NEW.id);
+        RETURN NULL;
+    END
+    $$;
+    CREATE TRIGGER notify_on_status AFTER UPDATE OF status ON workflows FOR EACH ROW
+    WHEN (NEW.status <> 'Resuming' AND NEW.status IS DISTINCT FROM OLD.status)
+    EXECUTE FUNCTION workflowd_notify_status()
+    """,
 ]
 
 
@@ -168,21 +204,93 @@ def with_history(update: str, k: int) -> str:
     """
 
 
-CHECKPOINT = with_history(
+_CHECKPOINT = (
     "UPDATE workflows SET status = $1, data = $2, state = $3, error = $4, attempt = $5,"
     " next_run_at = $6, updated_at = $7, history_seq = history_seq + $8 WHERE id = $9"
-    " RETURNING history_seq",
-    9,
+    " RETURNING history_seq"
 )
-SET_STATUS = with_history(
+_SET_STATUS = (
     "UPDATE workflows SET status = $1, error = $2, attempt = COALESCE($3, attempt),"
     " next_run_at = $4, updated_at = $5, history_seq = history_seq + $6 WHERE id = $7"
-    " RETURNING history_seq",
-    7,
+    " RETURNING history_seq"
 )
-ADD_HISTORY = with_history(
-    "UPDATE workflows SET history_seq = history_seq + $1 WHERE id = $2 RETURNING history_seq", 2
+_ADD_HISTORY = (
+    "UPDATE workflows SET history_seq = history_seq + $1 WHERE id = $2 RETURNING history_seq"
 )
+CHECKPOINT = with_history(_CHECKPOINT, 9)
+SET_STATUS = with_history(_SET_STATUS, 7)
+ADD_HISTORY = with_history(_ADD_HISTORY, 2)
+
+
+def fenced(update: str, k: int) -> str:
+    """Make `with_history(update, k)` write only while the workflow's generation is `$k + 6`.
+
+    A daemon that lost the workflow's lease (another one claimed it: the generation moved on)
+    matches no row, so nothing at all is written.
+    """
+    guarded = update.replace(f"WHERE id = ${k}", f"WHERE id = ${k} AND generation = ${k + 6}")
+    return with_history(guarded, k)
+
+
+CHECKPOINT_FENCED = fenced(_CHECKPOINT, 9)
+SET_STATUS_FENCED = fenced(_SET_STATUS, 7)
+ADD_HISTORY_FENCED = fenced(_ADD_HISTORY, 2)
+
+
+#: Server time, in epoch seconds: leases are compared on one clock whatever the machines say.
+NOW = "extract(epoch FROM clock_timestamp())"
+#: Claim up to $3 unfinished workflows nobody holds (no owner, or an expired lease) for $1
+#: (node $2) until now + $4; a workflow pinned to a node is left to it unless that node was
+#: not seen for $5 seconds. Returns the rows with their new generation and pin.
+CLAIM = f"""
+    WITH c AS (
+        SELECT id FROM workflows w
+        WHERE {UNFINISHED} AND lease_until < {NOW}
+          AND (pin_node IS NULL OR pin_node = $2 OR NOT EXISTS (
+              SELECT 1 FROM nodes n WHERE n.node_id = w.pin_node AND n.seen_at > {NOW} - $5))
+        ORDER BY lease_until LIMIT $3 FOR UPDATE SKIP LOCKED
+    )
+    UPDATE workflows w SET owner = $1, lease_until = {NOW} + $4, generation = w.generation + 1
+    FROM c WHERE w.id = c.id
+    RETURNING {", ".join("w." + c.strip() for c in COLS.split(","))}, w.generation, w.pin_node
+"""
+#: Seconds until the first lease another daemon holds runs out (NULL: none held): the claim
+#: loop looks again then, so a dead daemon's work is taken over as soon as its lease allows.
+NEXT_EXPIRY = f"""
+    SELECT MIN(lease_until) - {NOW} FROM workflows
+    WHERE {UNFINISHED} AND lease_until > {NOW} AND owner <> $1
+"""
+#: Take one workflow for a write (a repair, the janitor) if nobody else holds it: returns the
+#: new generation, or no row.
+CLAIM_ONE = f"""
+    UPDATE workflows SET owner = $2, lease_until = {NOW} + $3, generation = generation + 1
+    WHERE id = $1 AND (owner IS NULL OR owner = $2 OR lease_until < {NOW} OR NOT ({UNFINISHED}))
+    RETURNING generation
+"""
+#: Extend the leases of ($3 ids, $4 generations) still held by $1 to now + $2; returns the ids.
+RENEW = f"""
+    UPDATE workflows w SET lease_until = {NOW} + $2
+    FROM unnest($3::text[], $4::bigint[]) AS t(id, g)
+    WHERE w.id = t.id AND w.generation = t.g AND w.owner = $1
+    RETURNING w.id
+"""
+INBOX_COLS = "id, workflow_id, event, thread_id, pc, input, created_at, kind, reply_to"
+#: Hand $1 the inbox rows of the workflows in $2 (just claimed), whoever took them before.
+TAKE_CLAIMED = (
+    f"UPDATE inbox SET taken = $1 WHERE workflow_id = ANY($2::text[]) RETURNING {INBOX_COLS}"
+)
+#: Hand $1 the inbox rows it has not taken yet of the workflows it owns: new ones, and any a
+#: daemon that lost the workflow took (what it applied left with its commit; it commits no more).
+TAKE_NEW = f"""
+    UPDATE inbox i SET taken = $1 FROM workflows w
+    WHERE i.taken IS DISTINCT FROM $1 AND w.id = i.workflow_id AND w.owner = $1 AND {UNFINISHED.replace("status", "w.status")}
+    RETURNING {", ".join("i." + c.strip() for c in INBOX_COLS.split(","))}
+"""
+#: Who owns a workflow ($1) now, by node_id: none once its lease ran out or it ended.
+OWNER_OF = f"""
+    SELECT n.node_id FROM workflows w JOIN nodes n ON n.holder = w.owner
+    WHERE w.id = $1 AND w.lease_until > {NOW} AND {UNFINISHED.replace("status", "w.status")}
+"""
 INSERT_HISTORY = (
     "INSERT INTO history (workflow_id, seq, at, kind, detail) VALUES ($1, $2, $3, $4, $5)"
 )

@@ -1,23 +1,13 @@
-"""Tests for daemon.store.postgres_lease: one holder at a time, standbys, fencing."""
+"""Tests for daemon.store.postgres_lease and the per-workflow leases of daemon.store.postgres."""
 
 from __future__ import annotations
 
-import anyio
 import asyncpg
 import pytest
 
-from daemon.store.base import WorkflowRow
+from daemon.store.base import FireRecord, WorkflowLost, WorkflowRow
 from daemon.store.postgres import PostgresStore
-from daemon.store.postgres_lease import LeaseLost, holder_name
-
-
-async def execute(dsn: str, sql: str) -> None:
-    """Run statements on a connection of their own (another daemon, as far as the store sees)."""
-    conn = await asyncpg.connect(dsn)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
+from daemon.store.postgres_lease import holder_name
 
 
 def row(wid: str) -> WorkflowRow:
@@ -25,67 +15,109 @@ def row(wid: str) -> WorkflowRow:
     return WorkflowRow(id=wid, name="Demo", status="Resuming", data='{"i":0}', state="{}")
 
 
-async def test_standby_gets_the_lease_when_the_holder_closes(pg_dsn: str) -> None:
-    """A second open waits while the first holds the lease, and gets it once that one closes."""
-    opened = anyio.Event()
-    generations: list[int] = []
-
-    async def second() -> None:
-        async with PostgresStore.open(pg_dsn, node_id="b", lease_s=1.0) as store:
-            generations.append(store.lease.generation)
-            opened.set()
-
-    async with anyio.create_task_group() as tg:
-        async with PostgresStore.open(pg_dsn, node_id="a", lease_s=1.0) as first:
-            generations.append(first.lease.generation)
-            tg.start_soon(second)
-            # Three lease terms: a standby that ignored the live holder would have opened.
-            with anyio.move_on_after(3.0):
-                await opened.wait()
-            assert not opened.is_set()
-        with anyio.fail_after(5):
-            await opened.wait()
-    assert generations == [1, 2]
+async def expire(dsn: str) -> None:
+    """Let every lease run out now (as if its daemon had stopped renewing long ago)."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute("UPDATE workflows SET lease_until = 0")
+    finally:
+        await conn.close()
 
 
-async def test_a_lost_lease_fences_every_write(pg_dsn: str) -> None:
-    """Once another daemon took the lease, no write lands, and the block ends in LeaseLost."""
-    with pytest.raises(LeaseLost):
-        async with PostgresStore.open(pg_dsn, node_id="a", lease_s=30.0) as store:
-            await store.create(row("w"))
-            await execute(
-                pg_dsn,
-                "UPDATE leases SET holder = 'other', node_id = 'b', generation = generation + 1",
-            )
-            with pytest.raises(LeaseLost):
-                await store.checkpoint("w", status="Waiting", data='{"i":1}', state="{}")
-            with pytest.raises(LeaseLost):
-                await store.inbox_put("w", "go", None)
-            await anyio.sleep_forever()  # the store cancels the block once the lease is lost
-    async with PostgresStore.open(pg_dsn, node_id="c", lease_s=30.0) as store:
-        got = await store.get("w")
-        assert got is not None and (got.status, got.data) == ("Resuming", '{"i":0}')
-        assert await store.inbox_pending() == []
+def test_holder_names_are_unique_and_fit_application_name() -> None:
+    """Two processes of one node get different names, at most 63 bytes long."""
+    a, b = holder_name("n" * 100), holder_name("n" * 100)
+    assert a != b and len(a.encode()) <= 63
 
 
-async def test_an_expired_lease_is_taken_while_its_holder_is_connected(pg_dsn: str) -> None:
-    """A holder that stops renewing (a partition) loses the lease although still connected."""
-    with pytest.raises(LeaseLost):
-        async with PostgresStore.open(pg_dsn, node_id="a", lease_s=30.0) as store:
-            await execute(pg_dsn, "UPDATE leases SET until = 0")  # as if renewals stopped
-            claim = await PostgresStore.claim(pg_dsn, node_id="b", lease_s=30.0)
-            try:
-                assert claim.lease.generation == 2
-                with pytest.raises(LeaseLost):
-                    await store.create(row("w"))
-                await anyio.sleep_forever()  # the store cancels the block once the lease is lost
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await claim.conn.close()
+async def test_claims_split_work_and_fence_the_loser(pg_dsn: str) -> None:
+    """Two daemons claim disjoint workflows; once one's lease ran out and the other claimed
+    it, the first one's checkpoint writes nothing and raises WorkflowLost."""
+    async with (
+        PostgresStore.open(pg_dsn, node_id="a", lease_s=30) as a,
+        PostgresStore.open(pg_dsn, node_id="b", lease_s=30) as b,
+    ):
+        for i in range(6):
+            await a.create(row(f"w{i}"))
+        first = await a.claim(4)
+        second = await b.claim(4)
+        mine = {r.id for r in first.rows}
+        theirs = {r.id for r in second.rows}
+        assert len(mine) == 4 and len(theirs) == 2 and not mine & theirs
+        assert all(a.owns(w) for w in mine) and not any(a.owns(w) for w in theirs)
+        assert (await a.claim(4)).rows == []  # nothing left nobody holds
+        assert await a.owner_of("w0") in ("a", "b")
+        victim = min(mine)
+        await a.checkpoint(victim, status="Waiting", data='{"i":1}', state="{}")
+        await expire(pg_dsn)
+        taken = await b.claim(10)
+        assert victim in {r.id for r in taken.rows}
+        with pytest.raises(WorkflowLost):
+            await a.checkpoint(victim, status="Waiting", data='{"i":2}', state="{}")
+        got = await a.get(victim)
+        assert got is not None and got.data == '{"i":1}'
+        assert not a.owns(victim)
+        with pytest.raises(WorkflowLost):  # nor does its stale copy take it back
+            await a.checkpoint(victim, status="Finished", data='{"i":3}', state="{}")
+        await b.checkpoint(victim, status="Waiting", data='{"i":4}', state="{}")
+        assert sorted(await a.renew()) == sorted(mine - {victim})  # b took all at expiry
+        assert await a.owner_of(victim) == "b"
 
 
-def test_holder_name_fits_application_name() -> None:
-    """The name fits PostgreSQL's 63-byte application_name and differs per call."""
-    long = holder_name("n" * 200)
-    assert len(long) <= 63 and long.startswith("workflowd ")
-    assert holder_name("a") != holder_name("a")
+async def test_renew_reports_what_was_lost(pg_dsn: str) -> None:
+    """A renewal keeps the leases still held and names the ones another daemon took."""
+    async with (
+        PostgresStore.open(pg_dsn, node_id="a", lease_s=30) as a,
+        PostgresStore.open(pg_dsn, node_id="b", lease_s=30) as b,
+    ):
+        await a.create(row("x"))
+        await a.create(row("y"))
+        assert {r.id for r in (await a.claim(10)).rows} == {"x", "y"}
+        assert await a.renew() == []
+        await expire(pg_dsn)
+        await b.claim(10)
+        assert sorted(await a.renew()) == ["x", "y"]
+        assert a.leads() and not b.leads()  # a beat first: the leader row is a's
+
+
+async def test_inbox_goes_to_the_owner_and_answers_come_back(pg_dsn: str) -> None:
+    """A request through a non-owner is taken by the owner only; its answer reaches the sender."""
+    async with (
+        PostgresStore.open(pg_dsn, node_id="a", lease_s=30) as a,
+        PostgresStore.open(pg_dsn, node_id="b", lease_s=30) as b,
+    ):
+        await a.create(row("w"))
+        await a.claim(10)
+        inbox_id = await b.request("w", "callback", "go", {"n": 1}, reply=True)
+        assert await b.take_inbox() == []
+        (taken,) = await a.take_inbox()
+        assert (taken.row.id, taken.row.event, taken.kind) == (inbox_id, "go", "callback")
+        assert taken.reply_to == b.holder and await a.take_inbox() == []  # taken once
+        await a.answer(inbox_id, b.holder, True, 7, done=False)
+        assert await b.answers() == [(inbox_id, True, 7)]
+        assert await b.answers() == []
+
+
+async def test_a_clean_stop_releases_every_lease(pg_dsn: str) -> None:
+    """Leaving hands the workflows (and the leader row) over at once."""
+    async with PostgresStore.open(pg_dsn, node_id="a", lease_s=300) as a:
+        await a.create(row("w"))
+        await a.claim(10)
+    async with PostgresStore.open(pg_dsn, node_id="b", lease_s=300) as b:
+        assert [r.id for r in (await b.claim(10)).rows] == ["w"]
+        assert b.leads()
+
+
+async def test_a_fire_two_daemons_make_starts_one_workflow_recorded_once(pg_dsn: str) -> None:
+    """The fire's workflow id is its key: the second daemon firing it creates and records
+    nothing."""
+    async with (
+        PostgresStore.open(pg_dsn, node_id="a", lease_s=30) as a,
+        PostgresStore.open(pg_dsn, node_id="b", lease_s=30) as b,
+    ):
+        await a.schedules_load(["tick"], 100.0)
+        fire = FireRecord(101.0, "fired", nominal=101.0, workflow_id="tick:101")
+        assert await a.schedule_fire("tick", row("tick:101"), last_nominal=101.0, records=[fire])
+        assert not await b.schedule_fire("tick", row("tick:101"), last_nominal=101.0,
+                                          records=[fire])  # fmt: skip
+        assert [f.workflow_id for f in await b.schedule_fires("tick")] == ["tick:101"]
