@@ -112,8 +112,8 @@ class TestRetryAndEdit:
     async def test_retry_keeps_the_deadline(self, short_tmp: Path) -> None:
         """A retried workflow is still cancelled at its deadline; past it, retry is refused."""
         async with client(short_tmp) as (_, c):
-            await c.call("start", workflow="Turnstile", workflow_id="g1", timeout_s=5.0)
-            await c.call("start", workflow="Turnstile", workflow_id="g2", timeout_s=0.5)
+            await c.call("start", workflow="Bollard", workflow_id="g1", timeout_s=5.0)
+            await c.call("start", workflow="Bollard", workflow_id="g2", timeout_s=0.5)
             await wait_status(c, "g1", "Failed")
             await c.call("edit", workflow_id="g1", set={"open": True})
             await c.call("retry", workflow_id="g1")

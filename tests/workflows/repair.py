@@ -41,7 +41,7 @@ class Payment(Workflow):
 
 
 @dataclass
-class Turnstile(Workflow):
+class Bollard(Workflow):
     """Fails at its check unless `open`, then waits for the signal `go` (for deadlines)."""
 
     open: bool = False
