@@ -266,18 +266,22 @@ class Recovery:
 
     def _check(self, row: WorkflowRow) -> str | None:
         """Hold a workflow that does not decode or fit the code; say which, or None if it fits."""
+        return self._decoded(row)[1]
+
+    def _decoded(self, row: WorkflowRow) -> tuple[Loaded | None, str | None]:
+        """Decode a row and check it against the code: (loaded, None), or hold it and say why."""
         try:
             loaded = self._cache.decode(row)
         except WorkflowdError as e:
             self._hold_unfit(row, str(e))
             log.error("workflow_corrupt", workflow_id=row.id, workflow=row.name, error=str(e))
-            return "broken"
+            return None, "broken"
         reason = misfit(self._cache.registry, row.name, row.data, loaded.state)
         if reason is None:
-            return None
+            return loaded, None
         self._hold_unfit(row, reason)
         log.error("workflow_incompatible", workflow_id=row.id, workflow=row.name, reason=reason)
-        return "incompatible"
+        return None, "incompatible"
 
     def vet(self, row: WorkflowRow, loaded: Loaded) -> bool:
         """Check a workflow recovered lean against the code at its first load; False if held.
@@ -302,17 +306,10 @@ class Recovery:
         self._cache.unchecked.discard(row.id)  # checked here
         if row.deadline is not None:
             self._deadline(row.id, row.deadline)
-        try:
-            loaded = self._cache.decode(row)
-        except WorkflowdError as e:
-            self._hold_unfit(row, str(e))
-            log.error("workflow_corrupt", workflow_id=row.id, workflow=row.name, error=str(e))
-            return "broken"
-        reason = misfit(self._cache.registry, row.name, row.data, loaded.state)
-        if reason is not None:
-            self._hold_unfit(row, reason)
-            log.error("workflow_incompatible", workflow_id=row.id, workflow=row.name, reason=reason)
-            return "incompatible"
+        loaded, unfit = self._decoded(row)
+        if loaded is None:
+            assert unfit is not None
+            return unfit
         if hold.incompatible.pop(row.id, None) is not None:
             # A copy an actor loaded meanwhile (to find it held) holds the old class.
             self._cache.forget(row.id)

@@ -551,9 +551,11 @@ class PostgresStore:
     async def schedule_fire_many(self, fires: Sequence[ScheduleFire]) -> builtins.list[bool]:
         """Insert each fire's workflow and advance its schedule, all in one transaction.
 
-        An existing id is left as is and its schedule still advances; True where inserted.
-        The records' `at` is stamped inside the transaction: when the fire was committed.
-        A batch is a few statements over arrays (`unnest`), not a few per fire.
+        An existing id is left as is and its schedule still advances, with no records: the
+        id is the fire's unique key, so another daemon fired that time first and recorded it.
+        True where inserted. The records' `at` is stamped inside the transaction: when the
+        fire was committed. A batch is a few statements over arrays (`unnest`), not a few
+        per fire.
         """
         clock = get_clock()
         now = clock.now()
@@ -566,13 +568,6 @@ class PostgresStore:
             for f in fires
             for i, (kind, detail) in enumerate(f.history)
         ]
-        advance = (
-            [f.name for f in fires],
-            [f.row.id for f in fires],
-            [f.last_nominal for f in fires],
-            [f.clear_buffered for f in fires],
-            [len(f.records) for f in fires],
-        )
 
         async def apply(conn: Conn) -> builtins.list[bool]:
             stamp = clock.now()
@@ -580,16 +575,25 @@ class PostgresStore:
             new = [h for h in history if h[0] in made]
             if new:
                 await conn.execute(_INSERT_HISTORIES, *map(builtins.list, zip(*new, strict=True)))
+                await conn.execute(NOTIFY_WORK)
+            records = [f.records if f.row.id in made else () for f in fires]
+            advance = (
+                [f.name for f in fires],
+                [f.row.id for f in fires],
+                [f.last_nominal for f in fires],
+                [f.clear_buffered for f in fires],
+                [len(r) for r in records],
+            )
             seqs = {r[0]: r[1] for r in await conn.fetch(_ADVANCE_MANY, *advance, now)}
             fired, trims = [], []
-            for f in fires:
+            for f, kept in zip(fires, records, strict=True):
                 last = seqs.get(f.name)
                 if last is None:
                     raise ScheduleNotFound(f"no schedule {f.name!r}")
-                first = last - len(f.records) + 1
+                first = last - len(kept) + 1
                 fired += [
                     (f.name, first + i, stamp, r.kind, r.nominal, r.workflow_id, r.reason, r.count)
-                    for i, r in enumerate(f.records)
+                    for i, r in enumerate(kept)
                 ]
                 if last > FIRES_KEPT and (first - 1) // TRIM_EVERY != last // TRIM_EVERY:
                     trims.append((f.name, last - FIRES_KEPT))
