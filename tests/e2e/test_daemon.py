@@ -58,7 +58,7 @@ class TestProcess:
         assert all(n <= 1 for n in per_wf.values()), runs
         assert all(n <= 2 for n in runs.values())
 
-    @pytest.mark.sqlite_only("on PostgreSQL a second daemon stands by: e2e/test_postgres")
+    @pytest.mark.sqlite_only("on PostgreSQL a second daemon shares the work: e2e/test_postgres")
     async def test_second_daemon_refused(self, tmp_path: Path) -> None:
         """A second workflowd on the same database exits 1 with a clear message."""
         async with running_daemon(tmp_path, MODULES) as d:
