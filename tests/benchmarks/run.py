@@ -10,6 +10,7 @@ import inspect
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,13 @@ async def run_entry(entry: str) -> list[dict[str, Any]] | None:
     return normalize(entry, result)
 
 
+def _cause(e: BaseException) -> str:
+    """Name the error inside a task group's group of one, which says nothing by itself."""
+    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+        e = e.exceptions[0]
+    return f"{type(e).__name__}: {e}"
+
+
 async def main(names: Sequence[str]) -> int:
     """Run the selected benchmarks in order; return the exit status."""
     status = 0
@@ -123,7 +131,8 @@ async def main(names: Sequence[str]) -> int:
         try:
             figures = await run_entry(entry)
         except Exception as e:  # noqa: BLE001 - one broken benchmark must not hide the others
-            print(f"# {entry}: failed: {type(e).__name__}: {e}", file=sys.stderr)
+            print(f"# {entry}: failed: {_cause(e)}", file=sys.stderr)
+            traceback.print_exception(e, file=sys.stderr)
             status = 1
             continue
         if figures is None:
