@@ -134,12 +134,9 @@ class PgGroupWriter:
                 commits, split = await self._commit(batch)
                 if self._metrics is not None:
                     self._metrics.commit(time.perf_counter() - began, len(batch))
-                failed = sum(w.error is not None for w in batch)
-                self.stats.commits += commits
-                self.stats.writes += len(batch) - failed
-                if split:
-                    self.stats.splits += 1
-                    log.warning("store_batch_split", batch=len(batch), failed=failed)
+                self.stats.batch(
+                    len(batch), sum(w.error is not None for w in batch), commits, split
+                )
                 for w in batch:
                     w.finish()
                 batch = []

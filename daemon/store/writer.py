@@ -36,6 +36,14 @@ class StoreStats:
     writes: int = 0  #: write requests committed
     splits: int = 0  #: failed batches retried one request per transaction
 
+    def batch(self, size: int, failed: int, commits: int, split: bool) -> None:
+        """Count one batch written in `commits` transactions; a split batch is logged."""
+        self.commits += commits
+        self.writes += size - failed
+        if split:
+            self.splits += 1
+            log.warning("store_batch_split", batch=size, failed=failed)
+
 
 @dataclass(slots=True, eq=False)
 class _Write:
@@ -286,12 +294,7 @@ class GroupWriter:
     def _committed(self, batch: list[_Write], commits: int, split: bool, took: float) -> None:
         if self._metrics is not None:
             self._metrics.commit(took, len(batch))
-        failed = sum(w.error is not None for w in batch)
-        self.stats.commits += commits
-        self.stats.writes += len(batch) - failed
-        if split:
-            self.stats.splits += 1
-            log.warning("store_batch_split", batch=len(batch), failed=failed)
+        self.stats.batch(len(batch), sum(w.error is not None for w in batch), commits, split)
         self._finished(batch)
 
     @staticmethod
