@@ -44,9 +44,9 @@ from daemon.store.writer import ApplyMany, GroupWriter, statement
 
 T = TypeVar("T")
 log = structlog.get_logger(__name__)
-#: Waiting workflows after an id, in id order; `+status` has the planner walk the primary key
+#: Waiting workflows, read in pages by id: `+status` has the planner walk the primary key
 #: (the status index would need a sort).
-_SLEEPING = "WHERE id > ? AND +status = 'Waiting' ORDER BY id LIMIT ?"
+_SLEEPING = "+status = 'Waiting'"
 #: A schedule's fire records are trimmed back to FIRES_KEPT each time this many more are added.
 TRIM_EVERY = 16
 INSERT_INBOX = (
@@ -372,18 +372,9 @@ class SQLiteStore:
 
     async def unfinished(self, *, page: int = 1000) -> AsyncIterator[WorkflowRow]:
         """Yield every workflow not in a final status, reading `page` rows at a time."""
-        after = ""
-        while True:
-            rows = await self._read(
-                f"SELECT {schema.COLS} FROM workflows WHERE status NOT IN (?, ?, ?) AND id > ?"
-                " ORDER BY id LIMIT ?",
-                (*FINAL, after, page),
-            )
+        async for rows in self._by_id(schema.COLS, "status NOT IN (?, ?, ?)", FINAL, page):
             for r in rows:
                 yield WorkflowRow(*r)
-            if len(rows) < page:
-                return
-            after = rows[-1][0]
 
     async def ended_with_teardown_errors(self) -> builtins.list[WorkflowRow]:
         """Return the ended workflows that still hold a wait whose teardown failed."""
@@ -662,47 +653,48 @@ class SQLiteStore:
         self, *, page: int = 5000, after: str = "", limit: int | None = None
     ) -> AsyncIterator[builtins.list[WorkflowRow]]:
         """Yield the Waiting workflows with an id over `after` (up to `limit`), in id order."""
-        left = limit
-        while left is None or left > 0:
-            size = page if left is None else min(page, left)
-            rows = await self._read(
-                f"SELECT {schema.COLS} FROM workflows {_SLEEPING}", (after, size)
-            )
-            if rows:
-                yield [WorkflowRow(*r) for r in rows]
-            if len(rows) < size:
-                return
-            after = rows[-1][0]
-            if left is not None:
-                left -= len(rows)
+        async for rows in self._by_id(schema.COLS, _SLEEPING, (), page, after, limit):
+            yield [WorkflowRow(*r) for r in rows]
 
     async def sleeping_states(
         self, *, page: int = 5000, after: str = ""
     ) -> AsyncIterator[builtins.list[SleepingState]]:
         """Yield id, type, deadline and state of each Waiting workflow with an id over `after`."""
-        while True:
-            sql = f"SELECT id, name, deadline, state FROM workflows {_SLEEPING}"
-            rows = await self._read(sql, (after, page))
-            if rows:
-                yield rows
-            if len(rows) < page:
-                return
-            after = rows[-1][0]
+        async for rows in self._by_id("id, name, deadline, state", _SLEEPING, (), page, after):
+            yield rows
 
     async def awake(self, *, page: int = 1000) -> AsyncIterator[WorkflowRow]:
         """Yield every unfinished workflow that is not Waiting, a page at a time."""
-        after = ""
-        while True:
-            rows = await self._read(
-                f"SELECT {schema.COLS} FROM workflows WHERE id > ?"
-                " AND +status NOT IN (?, ?, ?, 'Waiting') ORDER BY id LIMIT ?",
-                (after, *FINAL, page),
-            )
+        where = "+status NOT IN (?, ?, ?, 'Waiting')"
+        async for rows in self._by_id(schema.COLS, where, FINAL, page):
             for r in rows:
                 yield WorkflowRow(*r)
-            if len(rows) < page:
+
+    async def _by_id(
+        self,
+        columns: str,
+        where: str,
+        params: Sequence[Any],
+        page: int,
+        after: str = "",
+        limit: int | None = None,
+    ) -> AsyncIterator[builtins.list[Any]]:
+        """Yield the (non-empty) pages of workflows matching `where` with an id over `after`.
+
+        In id order, `page` rows at a time, up to `limit` rows in all.
+        """
+        sql = f"SELECT {columns} FROM workflows WHERE id > ? AND {where} ORDER BY id LIMIT ?"
+        left = limit
+        while left is None or left > 0:
+            size = page if left is None else min(page, left)
+            rows = await self._read(sql, (after, *params, size))
+            if rows:
+                yield rows
+            if len(rows) < size:
                 return
             after = rows[-1][0]
+            if left is not None:
+                left -= len(rows)
 
 
 def _in_chunks(conn: sqlite3.Connection, sql: str, keys: Sequence[str]) -> builtins.list[Any]:
