@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import datetime
+import contextvars
 import logging
+import math
 import sys
 import threading
 import time
@@ -143,7 +144,10 @@ class LogHub:
 
     def processor(self, _: WrappedLogger, method: str, event_dict: EventDict) -> EventDict:
         """Publish a JSON-able copy of the event; goes right before the renderer."""
-        record = {k: v for k, v in event_dict.items() if k[:1] != "_"}
+        record = dict(event_dict)
+        for key in event_dict:
+            if key[:1] == "_":  # structlog's meta keys are not part of the record
+                del record[key]
         if "exc_info" in record:  # console mode: the renderer, not dict_tracebacks, shows it
             record = dict(structlog.processors.format_exc_info(None, method, record))
         # Nearly every event holds only plain values: then this shallow copy will do.
@@ -152,43 +156,54 @@ class LogHub:
         return event_dict
 
 
+#: One queued record: the method, the event dict (bound context, keywords and event), the
+#: caller's context (its contextvars are merged off the loop) and the Unix time of the call.
+_Record = tuple[str, EventDict, contextvars.Context, float]
+
+
 class _Batcher:
     """Hands records from the event loop to one writer thread, which renders and writes batches.
 
-    Rendering and writing cost the loop nothing: it only queues the event dict and wakes the
-    writer once a batch has lingered _LINGER_S (or filled up). Records from outside a loop (worker threads, start-up, tests) and
-    error records are written at once, after whatever is still queued, so nothing is reordered.
+    Rendering and writing cost the loop nothing: it only queues the record and wakes the writer
+    once a batch has lingered _LINGER_S (or filled up). Records from outside a loop (worker
+    threads, start-up, tests) and error records are written at once, after whatever is still
+    queued, so nothing is reordered.
     """
 
-    def __init__(self, emit: Callable[[list[tuple[str, EventDict]]], None]) -> None:
+    def __init__(self, emit: Callable[[list[_Record]], None]) -> None:
         self._emit = emit
-        self._queue: deque[tuple[str, EventDict]] = deque()
+        self._queue: deque[_Record] = deque()
         self._lock = threading.Lock()  # one writer at a time, in queue order
         self._wake = threading.Event()
-        self._kick_pending = False
+        self._kick_loop: asyncio.AbstractEventLoop | None = None  # the loop a kick is due on
+        self._kick_thread = 0  # that loop's thread
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="workflowd-log", daemon=True)
         self._thread.start()
 
-    def put(self, method: str, event_dict: EventDict) -> None:
+    def put(self, record: _Record) -> None:
         """Queue one record; the writer takes it within _LINGER_S."""
-        self._queue.append((method, event_dict))
+        self._queue.append(record)
+        # The cheap test first (asyncio's _get_running_loop calls getpid each time): this
+        # thread runs the loop a kick is already due on, so the record just waits for it.
+        if self._kick_thread == _thread_id() and (loop := self._kick_loop) and loop.is_running():
+            if len(self._queue) >= _BATCH and not self._wake.is_set():
+                self._wake.set()
+            return
         loop = _running_loop()
         if loop is None or self._closed:
             self.flush()
-        elif not self._kick_pending:
-            self._kick_pending = True
+        elif loop is not self._kick_loop:  # none due, or due on a loop that has stopped
+            self._kick_loop, self._kick_thread = loop, _thread_id()
             loop.call_later(_LINGER_S, self._kick)
-        elif len(self._queue) >= _BATCH and not self._wake.is_set():
-            self._wake.set()
 
-    def put_now(self, method: str, event_dict: EventDict) -> None:
+    def put_now(self, record: _Record) -> None:
         """Write one record at once, after everything queued before it."""
-        self._queue.append((method, event_dict))
+        self._queue.append(record)
         self.flush()
 
     def _kick(self) -> None:
-        self._kick_pending = False
+        self._kick_loop, self._kick_thread = None, 0
         self._wake.set()
 
     def flush(self) -> None:
@@ -201,6 +216,7 @@ class _Batcher:
     def close(self) -> None:
         """Write what is queued and stop the writer; later records are written at once."""
         self._closed = True
+        self._kick_loop, self._kick_thread = None, 0  # no record may wait for a kick any more
         self._wake.set()
         self._thread.join(timeout=5)
         self.flush()
@@ -226,13 +242,13 @@ _LINGER_S = 0.002
 #: The event loop running on this thread, or None; no exception to catch, unlike
 #: asyncio.get_running_loop.
 _running_loop = asyncio._get_running_loop
+_thread_id = threading.get_ident
 
 
 class _Queued:
-    """The logger structlog calls last: its every method queues (method, event dict)."""
+    """The logger structlog calls last: its every method queues one record."""
 
     def __init__(self, batcher: _Batcher) -> None:
-
         self.msg = self.debug = self.info = self.warning = self.warn = batcher.put
         # Errors are written at once: they are what an operator reads after a crash.
         self.error = self.critical = self.exception = self.fatal = batcher.put_now
@@ -243,51 +259,107 @@ class _Queued:
 
 
 def _hand_over(_: WrappedLogger, method: str, event_dict: EventDict) -> Any:
-    """End the loop-side chain: note the time and pass the raw event dict on to _Queued."""
-    event_dict["timestamp"] = time.time()  # rendered as ISO 8601 by _iso_time, off the loop
+    """End a reconfigured loop-side chain: pass the event dict on to _Queued as one record."""
     if event_dict.get("exc_info") is True:  # must be taken now, on the thread that caught it
         event_dict["exc_info"] = sys.exc_info()
-    return (method, event_dict), {}
+    return ((method, event_dict, contextvars.copy_context(), time.time()),), {}
 
 
-def _iso_time(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:
-    """Render the Unix time _hand_over took as ISO 8601 UTC, as TimeStamper(fmt="iso") does."""
-    stamp = event_dict.get("timestamp")
-    if isinstance(stamp, float):
-        when = datetime.datetime.fromtimestamp(stamp, datetime.UTC)
-        event_dict["timestamp"] = when.isoformat().replace("+00:00", "Z")
-    return event_dict
+#: The loop-side chain configure_logging sets. A logger holding exactly this list skips
+#: structlog's processor loop (_Leveled._queue does _hand_over's work inline); one handed
+#: another chain (a test's spy in front) runs it the ordinary way.
+_LOOP_CHAIN: list[Processor] = [_hand_over]
+
+
+def _merge_context(event_dict: EventDict, context: contextvars.Context) -> None:
+    """Add the caller's bound contextvars, as merge_contextvars would have on its thread."""
+    for var, value in context.items():
+        name = var.name
+        if name[:_PREFIX_LEN] == _PREFIX and value is not Ellipsis:  # Ellipsis: unbound
+            event_dict.setdefault(name[_PREFIX_LEN:], value)
+
+
+_PREFIX = structlog.contextvars.STRUCTLOG_KEY_PREFIX
+_PREFIX_LEN = len(_PREFIX)
+
+#: The last second _iso_time rendered, as (Unix second, "YYYY-MM-DDTHH:MM:SS").
+_second: list[tuple[float, str]] = [(-1.0, "")]
+
+
+def _iso_time(stamp: float) -> str:
+    """Render a Unix time as ISO 8601 UTC, exactly as TimeStamper(fmt="iso", utc=True) does.
+
+    The microseconds are rounded as datetime.fromtimestamp rounds them (half to even, carried
+    into the second); the date and time of day are formatted once per second, not per record.
+    """
+    fraction, whole = math.modf(stamp)
+    micros = round(fraction * 1e6)
+    if micros >= 1_000_000:
+        micros, whole = micros - 1_000_000, whole + 1.0
+    elif micros < 0:
+        micros, whole = micros + 1_000_000, whole - 1.0
+    second, text = _second[0]
+    if second != whole:
+        text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole))
+        _second[0] = (whole, text)
+    return f"{text}.{micros:06d}Z" if micros else f"{text}Z"  # isoformat drops a zero fraction
 
 
 class _Leveled(structlog.BoundLoggerBase):
-    """A bound logger that drops records under the current level before any processor runs."""
+    """A bound logger that drops records under the current level and queues the rest.
 
-    def debug(self, event: str | None = None, **kw: Any) -> Any:
-        return None if _level[0] > 10 else self._proxy_to_logger("debug", event, **kw)
+    On the loop a record costs a level check, the event dict structlog would build anyway, a
+    reference to the caller's context (copy_context is O(1)) and the time: merging the
+    contextvars, the timestamp's text, rendering and writing happen in the writer thread.
+    """
 
-    def info(self, event: str | None = None, **kw: Any) -> Any:
-        return None if _level[0] > 20 else self._proxy_to_logger("info", event, **kw)
+    def _queue(self, method: str, event: str | None, kw: dict[str, Any]) -> None:
+        if self._processors is not _LOOP_CHAIN:
+            self._proxy_to_logger(method, event, **kw)
+            return
+        context = self._context
+        event_dict = {**context, **kw} if context else kw  # kw is this call's own dict
+        if event is not None:
+            event_dict["event"] = event
+        if "exc_info" in event_dict and event_dict["exc_info"] is True:
+            event_dict["exc_info"] = sys.exc_info()
+        getattr(self._logger, method)((method, event_dict, _snapshot(), _now()))
 
-    def warning(self, event: str | None = None, **kw: Any) -> Any:
-        return None if _level[0] > 30 else self._proxy_to_logger("warning", event, **kw)
+    def debug(self, event: str | None = None, **kw: Any) -> None:
+        if _level[0] <= 10:
+            self._queue("debug", event, kw)
+
+    def info(self, event: str | None = None, **kw: Any) -> None:
+        if _level[0] <= 20:
+            self._queue("info", event, kw)
+
+    def warning(self, event: str | None = None, **kw: Any) -> None:
+        if _level[0] <= 30:
+            self._queue("warning", event, kw)
 
     warn = warning
 
-    def error(self, event: str | None = None, **kw: Any) -> Any:
-        return None if _level[0] > 40 else self._proxy_to_logger("error", event, **kw)
+    def error(self, event: str | None = None, **kw: Any) -> None:
+        if _level[0] <= 40:
+            self._queue("error", event, kw)
 
-    def exception(self, event: str | None = None, **kw: Any) -> Any:
+    def exception(self, event: str | None = None, **kw: Any) -> None:
         kw.setdefault("exc_info", True)
-        return None if _level[0] > 40 else self._proxy_to_logger("error", event, **kw)
+        if _level[0] <= 40:
+            self._queue("error", event, kw)
 
-    def critical(self, event: str | None = None, **kw: Any) -> Any:
-        return self._proxy_to_logger("critical", event, **kw)
+    def critical(self, event: str | None = None, **kw: Any) -> None:
+        self._queue("critical", event, kw)
 
     fatal = critical
 
-    def log(self, level: int, event: str | None = None, **kw: Any) -> Any:
-        name = logging.getLevelName(level).lower()
-        return None if level < _level[0] else self._proxy_to_logger(name, event, **kw)
+    def log(self, level: int, event: str | None = None, **kw: Any) -> None:
+        if level >= _level[0]:
+            self._queue(logging.getLevelName(level).lower(), event, kw)
+
+
+_snapshot = contextvars.copy_context
+_now = time.time
 
 
 _batcher: list[_Batcher] = []
@@ -335,11 +407,13 @@ def configure_logging(
     tail += [hub.processor] if hub is not None else []
     sink = JournalLogger(out, journal) if journal is not None else None
     last: Processor = renderer if sink is None else JournalRenderer(renderer)
-    back = [structlog.processors.add_log_level, _iso_time, *tail, last]
+    back = [structlog.processors.add_log_level, *tail, last]
 
-    def emit(batch: list[tuple[str, EventDict]]) -> None:
+    def emit(batch: list[_Record]) -> None:
         lines: list[str] = []
-        for method, event_dict in batch:
+        for method, event_dict, context, stamp in batch:
+            _merge_context(event_dict, context)
+            event_dict["timestamp"] = _iso_time(stamp)
             rendered: Any = event_dict
             try:
                 for proc in back:
@@ -361,8 +435,8 @@ def configure_logging(
     if not _atexit_registered:
         _atexit_registered.append(atexit.register(close_logging))
     structlog.configure(
-        # The loop-side chain stays short: context and the time are taken now, the rest later.
-        processors=[structlog.contextvars.merge_contextvars, _hand_over],
+        # The loop-side chain stays short: the context and the time are taken now, the rest later.
+        processors=_LOOP_CHAIN,
         wrapper_class=_Leveled,
         logger_factory=_Queued(batcher),
         cache_logger_on_first_use=cache,
