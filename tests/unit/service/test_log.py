@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import datetime
 import io
 import json
 import logging
@@ -14,6 +16,7 @@ import anyio
 import pytest
 import structlog
 
+from daemon.service import log as log_module
 from daemon.service.log import LogHub, close_logging, configure_logging, flush_logs, set_level
 from tests.helpers.wait import until
 
@@ -49,6 +52,48 @@ class TestOutput:
         assert record["step"] == "a"
         assert record["path"] == "/x"
         assert record["timestamp"].endswith("Z")
+
+    def test_fields_in_structlog_order(self) -> None:
+        """A line holds bound values, keywords, event, contextvars, timestamp, level, in order."""
+        out = io.StringIO()
+        configure_logging("info", "json", out, cache=False)
+        log = structlog.get_logger().bind(node="n1", step="bound")
+        with structlog.contextvars.bound_contextvars(workflow_id="w1", step="ctx"):
+            log.info("step_done", step="a", duration_ms=0.5)
+        [record] = lines(out)
+        assert list(record) == [
+            "node", "step", "duration_ms", "event", "workflow_id", "timestamp", "level"
+        ]  # fmt: skip
+        assert record["step"] == "a"  # the call's keyword wins over bound and context values
+
+    def test_context_is_taken_at_the_call(self) -> None:
+        """The record keeps the contextvars bound when it was logged, not when it is written."""
+        out = io.StringIO()
+        configure_logging("info", "json", out, cache=False)
+        log = structlog.get_logger()
+
+        async def main() -> None:
+            with structlog.contextvars.bound_contextvars(workflow_id="w1", workflow="A"):
+                log.info("first")
+            structlog.contextvars.bind_contextvars(workflow_id="w2")
+            log.info("second")
+            assert out.getvalue() == ""  # both still queued: rendered after the rebinding
+            structlog.contextvars.unbind_contextvars("workflow_id")
+            flush_logs()
+
+        anyio.run(main)
+        first, second = lines(out)
+        assert (first["workflow_id"], first["workflow"]) == ("w1", "A")
+        assert second["workflow_id"] == "w2" and "workflow" not in second
+
+    @pytest.mark.parametrize(
+        "stamp",
+        [1764607292.0, 1764607292.999999, 1764607292.9999999, 1764607292.000001, 0.25, 1e9 + 5e-7],
+    )
+    def test_timestamp_as_timestamper_writes_it(self, stamp: float) -> None:
+        """The writer renders the call's time as TimeStamper(fmt="iso", utc=True) would."""
+        when = datetime.datetime.fromtimestamp(stamp, datetime.UTC)
+        assert log_module._iso_time(stamp) == when.isoformat().replace("+00:00", "Z")
 
     def test_auto_is_json_when_not_a_tty(self) -> None:
         """The auto format writes JSON to a stream that is not a terminal."""
@@ -252,6 +297,44 @@ class TestBatching:
         log.info("before")
         log.error("broke", n=1)
         assert [r["event"] for r in lines(out)] == ["before", "broke"]
+
+    def test_a_new_loop_is_not_left_waiting_on_a_stopped_one(self) -> None:
+        """A loop that stops before its batch is written leaves no record of the next loop queued."""
+        out = io.StringIO()
+        configure_logging("info", "json", out, cache=False)
+        log = structlog.get_logger()
+
+        async def first() -> None:
+            log.info("on_first")  # its writer kick is due in 2 ms; the loop is gone by then
+
+        async def second() -> None:
+            log.info("on_second")
+            await until(lambda: len(lines(out)) == 2, limit_s=5)
+
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(first())
+        finally:
+            loop.close()
+        anyio.run(second)
+        assert [r["event"] for r in lines(out)] == ["on_first", "on_second"]
+
+    def test_off_the_loop_after_it_stopped_is_written_at_once(self) -> None:
+        """A record logged once the loop is gone is written at once, after the loop's own."""
+        out = io.StringIO()
+        configure_logging("info", "json", out, cache=False)
+        log = structlog.get_logger()
+
+        async def main() -> None:
+            log.info("in_loop")
+
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(main())
+        finally:
+            loop.close()
+        log.info("after_loop")
+        assert [r["event"] for r in lines(out)] == ["in_loop", "after_loop"]
 
     async def test_close_writes_what_is_queued(self) -> None:
         """A clean stop (close_logging, also run at exit) loses no queued record."""
