@@ -17,16 +17,13 @@ import structlog
 
 from daemon.clock import get_clock
 from daemon.errors import ConfigError, ScheduleNotFound, Unavailable, WorkflowNotFound
-from daemon.observe.hooks import HookRow
 from daemon.observe.metrics import Metrics
 from daemon.store import postgres_schema as schema
 from daemon.store.base import (
     Claimed,
     FireRecord,
     History,
-    HistoryRow,
     InboxRow,
-    Position,
     ScheduleFire,
     ScheduleRow,
     Taken,
@@ -35,7 +32,8 @@ from daemon.store.base import (
 )
 from daemon.store.postgres_lease import Node, close, connect
 from daemon.store.postgres_writer import Conn, PgGroupWriter, broken
-from daemon.store.schema import FINAL, FIRES_KEPT, detail_of, to_json
+from daemon.store.reads import Dialect, Reads
+from daemon.store.schema import FINAL, FIRES_KEPT, to_json
 
 log = structlog.get_logger(__name__)
 #: A schedule's fire records are trimmed back to FIRES_KEPT each time this many more are added.
@@ -45,8 +43,6 @@ POOL_SIZE = 8
 #: Connections of their own for `list` pages: a flood of them queues behind itself, not in
 #: front of the writer, ping's counts or a send's lookups.
 LISTER_POOL_SIZE = 2
-#: Where `updated_at` is in a row of schema.COLS (a list page's position is made of it).
-UPDATED_AT = [c.strip() for c in schema.COLS.split(",")].index("updated_at")
 Entries = Sequence[tuple[float, str, str]]
 #: Workflows that ended here whose generation is kept for their last writes.
 ENDED_KEPT = 4096
@@ -69,7 +65,7 @@ INSERT_INBOX = (
 )
 
 
-class PostgresStore:
+class PostgresStore(Reads):
     """Workflows in a PostgreSQL database; one writer task commits every write in groups.
 
     Several daemons share the database: each holds the leases of the workflows it runs
@@ -358,90 +354,13 @@ class PostgresStore:
             rows = await pool.fetch(sql, *params)
         return rows
 
-    async def get(self, workflow_id: str) -> WorkflowRow | None:
-        """Return the workflow with that id, or None."""
-        rows = await self._read(f"SELECT {schema.COLS} FROM workflows WHERE id = $1", workflow_id)
-        return WorkflowRow(*rows[0]) if rows else None
+    #: PostgreSQL's inbox also holds requests (cancels) for a workflow's owner.
+    _dialect = Dialect(numbered=True, list_query=schema.list_query, callbacks="kind = 'callback'")
 
-    async def list(
-        self,
-        *,
-        status: str | None = None,
-        name: str | None = None,
-        limit: int = 100,
-        parent: str | None = None,
-    ) -> builtins.list[WorkflowRow]:
-        """Return up to `limit` workflows, most recently updated first."""
-        rows, _ = await self.page(status=status, name=name, limit=limit, parent=parent)
-        return rows
-
-    async def page(
-        self,
-        *,
-        status: str | None = None,
-        name: str | None = None,
-        limit: int = 100,
-        after: Position | None = None,
-        parent: str | None = None,
-    ) -> tuple[builtins.list[WorkflowRow], Position | None]:
-        """Return up to `limit` workflows after `after`, newest first, and where to go on."""
-        sql, params = schema.list_query(status, name, after, parent)
-        rows = await self._read(sql, *params, limit + 1, on=self._lister)
-        more = len(rows) > limit
-        rows = rows[:limit]
-        position = (rows[-1][UPDATED_AT], rows[-1][-1]) if more else None
-        return [WorkflowRow(*r[:-1]) for r in rows], position
-
-    async def unfinished(self, *, page: int = 1000) -> AsyncIterator[WorkflowRow]:
-        """Yield every workflow not in a final status, reading `page` rows at a time."""
-        after = ""
-        while True:
-            rows = await self._read(
-                f"SELECT {schema.COLS} FROM workflows WHERE status <> ALL($1::text[])"
-                " AND id > $2 ORDER BY id LIMIT $3",
-                builtins.list(FINAL),
-                after,
-                page,
-            )
-            for r in rows:
-                yield WorkflowRow(*r)
-            if len(rows) < page:
-                return
-            after = rows[-1][0]
-
-    async def ended_with_teardown_errors(self) -> builtins.list[WorkflowRow]:
-        """Return the ended workflows that still hold a wait whose teardown failed."""
-        rows = await self._read(
-            f"SELECT {schema.COLS} FROM workflows WHERE status = ANY($1::text[])"
-            " AND state LIKE '%\"TeardownError\"%'",
-            builtins.list(FINAL),
-        )
-        return [WorkflowRow(*r) for r in rows]
-
-    async def history(self, workflow_id: str, *, limit: int = 1000) -> builtins.list[HistoryRow]:
-        """Return the workflow's newest `limit` history entries, oldest first."""
-        rows = await self._read(
-            "SELECT id, workflow_id, at, kind, detail FROM history WHERE workflow_id = $1"
-            " ORDER BY seq DESC LIMIT $2",
-            workflow_id,
-            limit,
-        )
-        return [HistoryRow(i, w, at, k, detail_of(d)) for i, w, at, k, d in reversed(rows)]
-
-    async def inbox_pending(self, workflow_id: str | None = None) -> builtins.list[InboxRow]:
-        """Return the callbacks not yet applied (of one workflow, or all), oldest first."""
-        rows = await self._read(
-            "SELECT id, workflow_id, event, thread_id, pc, input, created_at FROM inbox"
-            " WHERE ($1::text IS NULL OR workflow_id = $1) AND kind = 'callback' ORDER BY id",
-            workflow_id,
-        )
-        out = []
-        for i, w, e, t, pc, x, at in rows:
-            try:
-                out.append(InboxRow(i, w, e, t, pc, msgspec.json.decode(x), at))
-            except msgspec.DecodeError as err:  # one bad row must not stop recovery
-                log.error("inbox_corrupt", inbox_id=i, workflow_id=w, event_name=e, error=str(err))
-        return out
+    async def _rows(
+        self, sql: str, params: Sequence[Any] = (), *, lister: bool = False
+    ) -> builtins.list[Any]:
+        return await self._read(sql, *params, on=self._lister if lister else None)
 
     async def backup(self, dest: Path) -> int:
         """Refuse: a PostgreSQL database is backed up with the server's own tools."""
@@ -456,11 +375,6 @@ class PostgresStore:
             raise Unavailable("the store is closed")
         async with self._pool.acquire() as conn:
             return await self.node.nodes(conn)
-
-    async def counts(self) -> dict[str, int]:
-        """Return how many workflows are in each status."""
-        rows = await self._read("SELECT status, COUNT(*) FROM workflows GROUP BY status")
-        return {status: n for status, n in rows}
 
     # -- schedules --------------------------------------------------------------------------
 
@@ -641,16 +555,6 @@ class PostgresStore:
 
     # -- hooks and gauges -------------------------------------------------------------------
 
-    async def hooks_pending(self, *, after: int = 0, limit: int = 100) -> builtins.list[HookRow]:
-        """Return up to `limit` endings with an id over `after`, oldest first."""
-        rows = await self._read(
-            "SELECT id, workflow_id, workflow, status, error, at, started_at FROM hook_runs"
-            " WHERE id > $1 ORDER BY id LIMIT $2",
-            after,
-            limit,
-        )
-        return [HookRow(*r) for r in rows]
-
     async def hook_claim(self, hook_id: int) -> None:
         """Mark an ending's hook as started, durably, before it runs."""
         now = get_clock().now()
@@ -668,16 +572,6 @@ class PostgresStore:
             await conn.execute("DELETE FROM hook_runs WHERE id = ANY($1::bigint[])", ids)
 
         await self._writes.submit(apply)
-
-    async def counts_by_type(self) -> dict[tuple[str, str], int]:
-        """Return how many workflows of each (type, status) there are."""
-        rows = await self._read("SELECT name, status, COUNT(*) FROM workflows GROUP BY 1, 2")
-        return {(name, status): n for name, status, n in rows}
-
-    async def inbox_depth(self) -> int:
-        """Return how many acknowledged events are not yet applied."""
-        rows = await self._read("SELECT COUNT(*) FROM inbox")
-        return int(rows[0][0])
 
     # -- sharing the work with the other daemons (daemon.store.base.Shared) ----------------
 

@@ -13,7 +13,6 @@ from typing import Any, TypeVar
 
 import aiosqlite
 import anyio
-import msgspec
 import structlog
 
 from daemon.clock import get_clock
@@ -25,20 +24,17 @@ from daemon.errors import (
     Unavailable,
     WorkflowNotFound,
 )
-from daemon.observe.hooks import HookRow
 from daemon.observe.metrics import Metrics
 from daemon.store import schema
 from daemon.store.base import (
     FireRecord,
     History,
-    HistoryRow,
-    InboxRow,
-    Position,
     ScheduleFire,
     ScheduleRow,
     SleepingState,
     WorkflowRow,
 )
+from daemon.store.reads import Dialect, Reads
 from daemon.store.schema import FINAL, Entries
 from daemon.store.writer import ApplyMany, GroupWriter, statement
 
@@ -81,7 +77,7 @@ def _connect_writer(path: Path, pragmas: str) -> sqlite3.Connection:
     return conn
 
 
-class SQLiteStore:
+class SQLiteStore(Reads):
     """The daemon's SQLite database; one writer thread commits every write in groups.
 
     Writes go to the writer thread's own sqlite3 connection; reads stay on aiosqlite
@@ -336,79 +332,12 @@ class SQLiteStore:
             raise Unavailable("the store is closed")
         return builtins.list(await (on or self._reader).execute_fetchall(sql, params))
 
-    async def get(self, workflow_id: str) -> WorkflowRow | None:
-        """Return the workflow with that id, or None."""
-        rows = await self._read(f"SELECT {schema.COLS} FROM workflows WHERE id = ?", (workflow_id,))
-        return WorkflowRow(*rows[0]) if rows else None
+    _dialect = Dialect(numbered=False, list_query=schema.list_query)
 
-    async def list(
-        self,
-        *,
-        status: str | None = None,
-        name: str | None = None,
-        limit: int = 100,
-        parent: str | None = None,
-    ) -> builtins.list[WorkflowRow]:
-        """Return up to `limit` workflows, most recently updated first."""
-        rows, _ = await self.page(status=status, name=name, limit=limit, parent=parent)
-        return rows
-
-    async def page(
-        self,
-        *,
-        status: str | None = None,
-        name: str | None = None,
-        limit: int = 100,
-        after: Position | None = None,
-        parent: str | None = None,
-    ) -> tuple[builtins.list[WorkflowRow], Position | None]:
-        """Return up to `limit` workflows after `after`, newest first, and where to go on."""
-        sql, params = schema.list_query(status, name, after, parent)
-        rows = await self._read(sql, [*params, limit + 1], on=self._lister)
-        more = len(rows) > limit
-        rows = rows[:limit]
-        position = (rows[-1][-2], rows[-1][-1]) if more else None
-        return [WorkflowRow(*r[:-2]) for r in rows], position
-
-    async def unfinished(self, *, page: int = 1000) -> AsyncIterator[WorkflowRow]:
-        """Yield every workflow not in a final status, reading `page` rows at a time."""
-        async for rows in self._by_id(schema.COLS, "status NOT IN (?, ?, ?)", FINAL, page):
-            for r in rows:
-                yield WorkflowRow(*r)
-
-    async def ended_with_teardown_errors(self) -> builtins.list[WorkflowRow]:
-        """Return the ended workflows that still hold a wait whose teardown failed."""
-        rows = await self._read(
-            f"SELECT {schema.COLS} FROM workflows WHERE status IN (?, ?, ?)"
-            " AND state LIKE '%\"TeardownError\"%'",
-            FINAL,
-        )
-        return [WorkflowRow(*r) for r in rows]
-
-    async def history(self, workflow_id: str, *, limit: int = 1000) -> builtins.list[HistoryRow]:
-        """Return the workflow's newest `limit` history entries, oldest first."""
-        rows = await self._read(
-            "SELECT id, workflow_id, at, kind, detail FROM history WHERE workflow_id = ?"
-            " ORDER BY seq DESC LIMIT ?",
-            (workflow_id, limit),
-        )
-        return [HistoryRow(i, w, at, k, schema.detail_of(d)) for i, w, at, k, d in reversed(rows)]
-
-    async def inbox_pending(self, workflow_id: str | None = None) -> builtins.list[InboxRow]:
-        """Return the callbacks not yet applied (of one workflow, or all), oldest first."""
-        cols = "id, workflow_id, event, thread_id, pc, input, created_at"
-        if workflow_id is None:
-            rows = await self._read(f"SELECT {cols} FROM inbox ORDER BY id")
-        else:
-            sql = f"SELECT {cols} FROM inbox WHERE workflow_id = ? ORDER BY id"
-            rows = await self._read(sql, (workflow_id,))
-        out = []
-        for i, w, e, t, pc, x, at in rows:
-            try:
-                out.append(InboxRow(i, w, e, t, pc, msgspec.json.decode(x), at))
-            except msgspec.DecodeError as err:  # one bad row must not stop recovery
-                log.error("inbox_corrupt", inbox_id=i, workflow_id=w, event_name=e, error=str(err))
-        return out
+    async def _rows(
+        self, sql: str, params: Sequence[Any] = (), *, lister: bool = False
+    ) -> builtins.list[Any]:
+        return await self._read(sql, params, on=self._lister if lister else None)
 
     async def backup(self, dest: Path) -> int:
         """Write a consistent copy of the database to `dest` (which must not exist); return its size.
@@ -423,11 +352,6 @@ class SQLiteStore:
         if dest.exists():
             raise Conflict(f"{dest} exists; pick a new name")
         return await anyio.to_thread.run_sync(schema.backup_file, self.path, dest)
-
-    async def counts(self) -> dict[str, int]:
-        """Return how many workflows are in each status."""
-        rows = await self._read("SELECT status, COUNT(*) FROM workflows GROUP BY status")
-        return {status: n for status, n in rows}
 
     # -- schedules --------------------------------------------------------------------------
 
@@ -615,15 +539,6 @@ class SQLiteStore:
 
     # -- hooks and gauges -------------------------------------------------------------------
 
-    async def hooks_pending(self, *, after: int = 0, limit: int = 100) -> builtins.list[HookRow]:
-        """Return up to `limit` endings with an id over `after`, oldest first."""
-        rows = await self._read(
-            "SELECT id, workflow_id, workflow, status, error, at, started_at FROM hook_runs"
-            " WHERE id > ? ORDER BY id LIMIT ?",
-            (after, limit),
-        )
-        return [HookRow(*r) for r in rows]
-
     async def hook_claim(self, hook_id: int) -> None:
         """Mark an ending's hook as started, durably, before it runs."""
         now = get_clock().now()
@@ -636,16 +551,6 @@ class SQLiteStore:
     async def hooks_done(self, hook_ids: Sequence[int]) -> None:
         """Forget endings whose hooks ran (or that have none)."""
         await self._writes.submit_many(self._drop_hook_runs, [(i,) for i in hook_ids])
-
-    async def counts_by_type(self) -> dict[tuple[str, str], int]:
-        """Return how many workflows of each (type, status) there are."""
-        rows = await self._read("SELECT name, status, COUNT(*) FROM workflows GROUP BY 1, 2")
-        return {(name, status): n for name, status, n in rows}
-
-    async def inbox_depth(self) -> int:
-        """Return how many acknowledged events are not yet applied."""
-        ((n,),) = await self._read("SELECT COUNT(*) FROM inbox")
-        return int(n)
 
     # -- recovery of sleeping workflows (reads only) ----------------------------------------
 
@@ -669,32 +574,6 @@ class SQLiteStore:
         async for rows in self._by_id(schema.COLS, where, FINAL, page):
             for r in rows:
                 yield WorkflowRow(*r)
-
-    async def _by_id(
-        self,
-        columns: str,
-        where: str,
-        params: Sequence[Any],
-        page: int,
-        after: str = "",
-        limit: int | None = None,
-    ) -> AsyncIterator[builtins.list[Any]]:
-        """Yield the (non-empty) pages of workflows matching `where` with an id over `after`.
-
-        In id order, `page` rows at a time, up to `limit` rows in all.
-        """
-        sql = f"SELECT {columns} FROM workflows WHERE id > ? AND {where} ORDER BY id LIMIT ?"
-        left = limit
-        while left is None or left > 0:
-            size = page if left is None else min(page, left)
-            rows = await self._read(sql, (after, *params, size))
-            if rows:
-                yield rows
-            if len(rows) < size:
-                return
-            after = rows[-1][0]
-            if left is not None:
-                left -= len(rows)
 
 
 def _in_chunks(conn: sqlite3.Connection, sql: str, keys: Sequence[str]) -> builtins.list[Any]:
