@@ -38,6 +38,19 @@ async def take(records: AsyncIterator[dict[str, Any]], n: int) -> list[dict[str,
     return out
 
 
+def log_on_a_loop_closed_at_once(event: str) -> None:
+    """Log `event` on a loop closed right after, before its writer kick (2 ms on) is due."""
+
+    async def main() -> None:
+        structlog.get_logger().info(event)
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+
+
 class TestOutput:
     def test_json_lines_with_context(self) -> None:
         """Each event is one JSON line with timestamp, level, event and bound context."""
@@ -302,20 +315,12 @@ class TestBatching:
         """A loop that stops before its batch is written leaves no record of the next loop queued."""
         out = io.StringIO()
         configure_logging("info", "json", out, cache=False)
-        log = structlog.get_logger()
-
-        async def first() -> None:
-            log.info("on_first")  # its writer kick is due in 2 ms; the loop is gone by then
+        log_on_a_loop_closed_at_once("on_first")
 
         async def second() -> None:
-            log.info("on_second")
+            structlog.get_logger().info("on_second")
             await until(lambda: len(lines(out)) == 2, limit_s=5)
 
-        loop = asyncio.new_event_loop()
-        try:
-            loop.run_until_complete(first())
-        finally:
-            loop.close()
         anyio.run(second)
         assert [r["event"] for r in lines(out)] == ["on_first", "on_second"]
 
@@ -323,17 +328,8 @@ class TestBatching:
         """A record logged once the loop is gone is written at once, after the loop's own."""
         out = io.StringIO()
         configure_logging("info", "json", out, cache=False)
-        log = structlog.get_logger()
-
-        async def main() -> None:
-            log.info("in_loop")
-
-        loop = asyncio.new_event_loop()
-        try:
-            loop.run_until_complete(main())
-        finally:
-            loop.close()
-        log.info("after_loop")
+        log_on_a_loop_closed_at_once("in_loop")
+        structlog.get_logger().info("after_loop")
         assert [r["event"] for r in lines(out)] == ["in_loop", "after_loop"]
 
     async def test_close_writes_what_is_queued(self) -> None:

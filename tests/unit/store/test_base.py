@@ -242,6 +242,16 @@ class TestReads:
                 assert await store.counts() == {"Waiting": 2, "Finished": 1}
                 assert await store.get("zzz") is None
 
+    async def test_ended_with_teardown_errors(self, opener: Opener) -> None:
+        """Only ended workflows whose state still holds a failed teardown come back."""
+        broken = '{"threads":[{"waits":[{"status":"TeardownError"}]}]}'
+        async with opener() as store:
+            for wid, status, state in [("a", "Finished", broken), ("b", "Finished", "{}"),
+                                       ("c", "Waiting", broken), ("d", "Cancelled", broken)]:  # fmt: skip
+                await store.create(WorkflowRow(id=wid, name="Demo", status=status, data="{}",
+                                               state=state))  # fmt: skip
+            assert sorted(r.id for r in await store.ended_with_teardown_errors()) == ["a", "d"]
+
     async def test_unfinished_streams_pages(self, opener: Opener) -> None:
         """unfinished yields every non-final row and reads later pages only when reached."""
         async with opener() as store:

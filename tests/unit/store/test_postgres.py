@@ -116,6 +116,16 @@ class TestWrites:
             assert got is not None and (got.status, got.data) == ("Resuming", '{"i":0}')
             assert len(await store.inbox_pending("a")) == 1
 
+    async def test_inbox_pending_lists_callbacks_only(self, pg_dsn: str) -> None:
+        """A request queued for the owner (a cancel) is not a pending callback."""
+        async with PostgresStore.open(pg_dsn) as store:
+            await store.create(row("a"))
+            put = await store.inbox_put("a", "go", None)
+            await store.request("a", "cancel", "", None)
+            assert [i.id for i in await store.inbox_pending("a")] == [put]
+            assert [i.id for i in await store.inbox_pending()] == [put]
+            assert await store.inbox_depth() == 2
+
     async def test_dropped_connection_is_replaced(self, pg_dsn: str) -> None:
         """The server ending every connection of the store fails at most the writes in flight."""
         async with PostgresStore.open(pg_dsn) as store:
