@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import builtins
 import functools
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -54,7 +55,7 @@ def _numbered(text: str) -> str:
     return "'".join(parts)
 
 
-class Reads:
+class Reads(abc.ABC):
     """The reads of the `Store`, `Gauges` and `Sleepers` protocols that both stores answer alike.
 
     A store names its dialect and supplies `_rows`, which runs one query on its read
@@ -63,10 +64,11 @@ class Reads:
 
     _dialect: ClassVar[Dialect]
 
+    @abc.abstractmethod
     async def _rows(
         self, sql: str, params: Sequence[Any] = (), *, lister: bool = False
     ) -> builtins.list[Any]:
-        raise NotImplementedError
+        """Run one query in this dialect on the store's read connections; return its rows."""
 
     async def _query(
         self, sql: str, params: Sequence[Any] = (), *, lister: bool = False
