@@ -56,10 +56,11 @@ def _numbered(text: str) -> str:
 
 
 class Reads(abc.ABC):
-    """The reads of the `Store`, `Gauges` and `Sleepers` protocols that both stores answer alike.
+    """The reads of the `Store` and `Gauges` protocols, which both stores answer alike.
 
     A store names its dialect and supplies `_rows`, which runs one query on its read
-    connections (`lister=True`: those kept for `list` pages).
+    connections (`lister=True`: those kept for `list` pages). `_by_id`, the keyset loop over
+    workflows in id order, serves `unfinished` here and the SQLite store's sleeper reads.
     """
 
     _dialect: ClassVar[Dialect]
