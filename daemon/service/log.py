@@ -7,12 +7,11 @@ import atexit
 import contextlib
 import contextvars
 import logging
-import math
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, TextIO
 
@@ -21,6 +20,7 @@ import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
 
 from daemon.service.journal import JournalLogger, JournalRenderer
+from daemon.service.logwriter import Batcher, Queued, Record, iso_time, merge_context
 
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
 _level = [LEVELS["info"]]  # mutable so set_level reaches loggers that are already cached
@@ -156,110 +156,8 @@ class LogHub:
         return event_dict
 
 
-#: One queued record: the method, the event dict (bound context, keywords and event), the
-#: caller's context (its contextvars are merged off the loop) and the Unix time of the call.
-_Record = tuple[str, EventDict, contextvars.Context, float]
-
-
-class _Batcher:
-    """Hands records from the event loop to one writer thread, which renders and writes batches.
-
-    Rendering and writing cost the loop nothing: it only queues the record and wakes the writer
-    once a batch has lingered _LINGER_S (or filled up). Records from outside a loop (worker
-    threads, start-up, tests) and error records are written at once, after whatever is still
-    queued, so nothing is reordered.
-    """
-
-    def __init__(self, emit: Callable[[list[_Record]], None]) -> None:
-        self._emit = emit
-        self._queue: deque[_Record] = deque()
-        self._lock = threading.Lock()  # one writer at a time, in queue order
-        self._wake = threading.Event()
-        self._kick_loop: asyncio.AbstractEventLoop | None = None  # the loop a kick is due on
-        self._kick_thread = 0  # that loop's thread
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="workflowd-log", daemon=True)
-        self._thread.start()
-
-    def put(self, record: _Record) -> None:
-        """Queue one record; the writer takes it within _LINGER_S."""
-        self._queue.append(record)
-        # The cheap test first (asyncio's _get_running_loop calls getpid each time): this
-        # thread runs the loop a kick is already due on, so the record just waits for it.
-        if self._kick_thread == _thread_id() and (loop := self._kick_loop) and loop.is_running():
-            if len(self._queue) >= _BATCH and not self._wake.is_set():
-                self._wake.set()
-            return
-        loop = _running_loop()
-        if loop is None or self._closed:
-            self.flush()
-        elif loop is not self._kick_loop:  # none due, or due on a loop that has stopped
-            self._kick_loop, self._kick_thread = loop, _thread_id()
-            loop.call_later(_LINGER_S, self._kick)
-
-    def put_now(self, record: _Record) -> None:
-        """Write one record at once, after everything queued before it."""
-        self._queue.append(record)
-        self.flush()
-
-    def _kick(self) -> None:
-        self._kick_loop, self._kick_thread = None, 0
-        self._wake.set()
-
-    def flush(self) -> None:
-        """Write everything queued so far, on the calling thread."""
-        with self._lock:
-            while self._queue:
-                batch = [self._queue.popleft() for _ in range(min(len(self._queue), _BATCH))]
-                self._emit(batch)
-
-    def close(self) -> None:
-        """Write what is queued and stop the writer; later records are written at once."""
-        self._closed = True
-        self._kick_loop, self._kick_thread = None, 0  # no record may wait for a kick any more
-        self._wake.set()
-        self._thread.join(timeout=5)
-        self.flush()
-
-    def _run(self) -> None:
-        while not self._closed:
-            self._wake.wait()
-            self._wake.clear()
-            try:
-                self.flush()
-            except Exception:  # a broken stream must not kill the writer; the next batch retries
-                logging.getLogger(__name__).debug("log_write_failed", exc_info=True)
-
-
-#: Records rendered and written together at most; also wakes the writer early.
-_BATCH = 512
-#: How long the first record of a batch waits for others before the writer wakes: a workflow
-#: running steps one by one takes a loop turn per step, and a wake-up (and a write) per turn
-#: would cost more than the record itself.
-_LINGER_S = 0.002
-
-
-#: The event loop running on this thread, or None; no exception to catch, unlike
-#: asyncio.get_running_loop.
-_running_loop = asyncio._get_running_loop
-_thread_id = threading.get_ident
-
-
-class _Queued:
-    """The logger structlog calls last: its every method queues one record."""
-
-    def __init__(self, batcher: _Batcher) -> None:
-        self.msg = self.debug = self.info = self.warning = self.warn = batcher.put
-        # Errors are written at once: they are what an operator reads after a crash.
-        self.error = self.critical = self.exception = self.fatal = batcher.put_now
-
-    def __call__(self, *args: Any) -> _Queued:
-        """Act as its own logger factory."""
-        return self
-
-
 def _hand_over(_: WrappedLogger, method: str, event_dict: EventDict) -> Any:
-    """End a reconfigured loop-side chain: pass the event dict on to _Queued as one record."""
+    """End a reconfigured loop-side chain: pass the event dict on to Queued as one record."""
     if event_dict.get("exc_info") is True:  # must be taken now, on the thread that caught it
         event_dict["exc_info"] = sys.exc_info()
     return ((method, event_dict, contextvars.copy_context(), time.time()),), {}
@@ -269,40 +167,6 @@ def _hand_over(_: WrappedLogger, method: str, event_dict: EventDict) -> Any:
 #: structlog's processor loop (_Leveled._queue does _hand_over's work inline); one handed
 #: another chain (a test's spy in front) runs it the ordinary way.
 _LOOP_CHAIN: list[Processor] = [_hand_over]
-
-
-def _merge_context(event_dict: EventDict, context: contextvars.Context) -> None:
-    """Add the caller's bound contextvars, as merge_contextvars would have on its thread."""
-    for var, value in context.items():
-        name = var.name
-        if name[:_PREFIX_LEN] == _PREFIX and value is not Ellipsis:  # Ellipsis: unbound
-            event_dict.setdefault(name[_PREFIX_LEN:], value)
-
-
-_PREFIX = structlog.contextvars.STRUCTLOG_KEY_PREFIX
-_PREFIX_LEN = len(_PREFIX)
-
-#: The last second _iso_time rendered, as (Unix second, "YYYY-MM-DDTHH:MM:SS").
-_second: list[tuple[float, str]] = [(-1.0, "")]
-
-
-def _iso_time(stamp: float) -> str:
-    """Render a Unix time as ISO 8601 UTC, exactly as TimeStamper(fmt="iso", utc=True) does.
-
-    The microseconds are rounded as datetime.fromtimestamp rounds them (half to even, carried
-    into the second); the date and time of day are formatted once per second, not per record.
-    """
-    fraction, whole = math.modf(stamp)
-    micros = round(fraction * 1e6)
-    if micros >= 1_000_000:
-        micros, whole = micros - 1_000_000, whole + 1.0
-    elif micros < 0:
-        micros, whole = micros + 1_000_000, whole - 1.0
-    second, text = _second[0]
-    if second != whole:
-        text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole))
-        _second[0] = (whole, text)
-    return f"{text}.{micros:06d}Z" if micros else f"{text}Z"  # isoformat drops a zero fraction
 
 
 class _Leveled(structlog.BoundLoggerBase):
@@ -362,7 +226,7 @@ _snapshot = contextvars.copy_context
 _now = time.time
 
 
-_batcher: list[_Batcher] = []
+_batcher: list[Batcher] = []
 _atexit_registered: list[object] = []
 
 
@@ -409,11 +273,11 @@ def configure_logging(
     last: Processor = renderer if sink is None else JournalRenderer(renderer)
     back = [structlog.processors.add_log_level, *tail, last]
 
-    def emit(batch: list[_Record]) -> None:
+    def emit(batch: list[Record]) -> None:
         lines: list[str] = []
         for method, event_dict, context, stamp in batch:
-            _merge_context(event_dict, context)
-            event_dict["timestamp"] = _iso_time(stamp)
+            merge_context(event_dict, context)
+            event_dict["timestamp"] = iso_time(stamp)
             rendered: Any = event_dict
             try:
                 for proc in back:
@@ -430,7 +294,7 @@ def configure_logging(
             out.flush()
 
     close_logging()
-    batcher = _Batcher(emit)
+    batcher = Batcher(emit)
     _batcher[:] = [batcher]
     if not _atexit_registered:
         _atexit_registered.append(atexit.register(close_logging))
@@ -438,7 +302,7 @@ def configure_logging(
         # The loop-side chain stays short: the context and the time are taken now, the rest later.
         processors=_LOOP_CHAIN,
         wrapper_class=_Leveled,
-        logger_factory=_Queued(batcher),
+        logger_factory=Queued(batcher),
         cache_logger_on_first_use=cache,
     )
     handler = logging.StreamHandler(out)

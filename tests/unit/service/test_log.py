@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import datetime
 import io
 import json
 import logging
@@ -16,7 +15,6 @@ import anyio
 import pytest
 import structlog
 
-from daemon.service import log as log_module
 from daemon.service.log import LogHub, close_logging, configure_logging, flush_logs, set_level
 from tests.helpers.wait import until
 
@@ -98,15 +96,6 @@ class TestOutput:
         first, second = lines(out)
         assert (first["workflow_id"], first["workflow"]) == ("w1", "A")
         assert second["workflow_id"] == "w2" and "workflow" not in second
-
-    @pytest.mark.parametrize(
-        "stamp",
-        [1764607292.0, 1764607292.999999, 1764607292.9999999, 1764607292.000001, 0.25, 1e9 + 5e-7],
-    )
-    def test_timestamp_as_timestamper_writes_it(self, stamp: float) -> None:
-        """The writer renders the call's time as TimeStamper(fmt="iso", utc=True) would."""
-        when = datetime.datetime.fromtimestamp(stamp, datetime.UTC)
-        assert log_module._iso_time(stamp) == when.isoformat().replace("+00:00", "Z")
 
     def test_auto_is_json_when_not_a_tty(self) -> None:
         """The auto format writes JSON to a stream that is not a terminal."""

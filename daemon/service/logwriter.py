@@ -1,0 +1,151 @@
+"""The log's writer thread: records queued on the event loop, rendered and written in batches."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+from structlog.typing import EventDict
+
+#: One queued record: the method, the event dict (bound context, keywords and event), the
+#: caller's context (its contextvars are merged off the loop) and the Unix time of the call.
+Record = tuple[str, EventDict, contextvars.Context, float]
+
+
+class Batcher:
+    """Hands records from the event loop to one writer thread, which renders and writes batches.
+
+    Rendering and writing cost the loop nothing: it only queues the record and wakes the writer
+    once a batch has lingered LINGER_S (or filled up). Records from outside a loop (worker
+    threads, start-up, tests) and error records are written at once, after whatever is still
+    queued, so nothing is reordered.
+    """
+
+    def __init__(self, emit: Callable[[list[Record]], None]) -> None:
+        self._emit = emit
+        self._queue: deque[Record] = deque()
+        self._lock = threading.Lock()  # one writer at a time, in queue order
+        self._wake = threading.Event()
+        self._kick_loop: asyncio.AbstractEventLoop | None = None  # the loop a kick is due on
+        self._kick_thread = 0  # that loop's thread
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="workflowd-log", daemon=True)
+        self._thread.start()
+
+    def put(self, record: Record) -> None:
+        """Queue one record; the writer takes it within LINGER_S."""
+        self._queue.append(record)
+        # The cheap test first (asyncio's _get_running_loop calls getpid each time): this
+        # thread runs the loop a kick is already due on, so the record just waits for it.
+        if self._kick_thread == _thread_id() and (loop := self._kick_loop) and loop.is_running():
+            if len(self._queue) >= BATCH and not self._wake.is_set():
+                self._wake.set()
+            return
+        loop = _running_loop()
+        if loop is None or self._closed:
+            self.flush()
+        elif loop is not self._kick_loop:  # none due, or due on a loop that has stopped
+            self._kick_loop, self._kick_thread = loop, _thread_id()
+            loop.call_later(LINGER_S, self._kick)
+
+    def put_now(self, record: Record) -> None:
+        """Write one record at once, after everything queued before it."""
+        self._queue.append(record)
+        self.flush()
+
+    def _kick(self) -> None:
+        self._kick_loop, self._kick_thread = None, 0
+        self._wake.set()
+
+    def flush(self) -> None:
+        """Write everything queued so far, on the calling thread."""
+        with self._lock:
+            while self._queue:
+                batch = [self._queue.popleft() for _ in range(min(len(self._queue), BATCH))]
+                self._emit(batch)
+
+    def close(self) -> None:
+        """Write what is queued and stop the writer; later records are written at once."""
+        self._closed = True
+        self._kick_loop, self._kick_thread = None, 0  # no record may wait for a kick any more
+        self._wake.set()
+        self._thread.join(timeout=5)
+        self.flush()
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._wake.wait()
+            self._wake.clear()
+            try:
+                self.flush()
+            except Exception:  # a broken stream must not kill the writer; the next batch retries
+                logging.getLogger(__name__).debug("log_write_failed", exc_info=True)
+
+
+#: Records rendered and written together at most; also wakes the writer early.
+BATCH = 512
+#: How long the first record of a batch waits for others before the writer wakes: a workflow
+#: running steps one by one takes a loop turn per step, and a wake-up (and a write) per turn
+#: would cost more than the record itself.
+LINGER_S = 0.002
+
+
+#: The event loop running on this thread, or None; no exception to catch, unlike
+#: asyncio.get_running_loop.
+_running_loop = asyncio._get_running_loop
+_thread_id = threading.get_ident
+
+
+class Queued:
+    """The logger structlog calls last: its every method queues one record."""
+
+    def __init__(self, batcher: Batcher) -> None:
+        self.msg = self.debug = self.info = self.warning = self.warn = batcher.put
+        # Errors are written at once: they are what an operator reads after a crash.
+        self.error = self.critical = self.exception = self.fatal = batcher.put_now
+
+    def __call__(self, *args: Any) -> Queued:
+        """Act as its own logger factory."""
+        return self
+
+
+def merge_context(event_dict: EventDict, context: contextvars.Context) -> None:
+    """Add the caller's bound contextvars, as merge_contextvars would have on its thread."""
+    for var, value in context.items():
+        name = var.name
+        if name[:_PREFIX_LEN] == _PREFIX and value is not Ellipsis:  # Ellipsis: unbound
+            event_dict.setdefault(name[_PREFIX_LEN:], value)
+
+
+_PREFIX = structlog.contextvars.STRUCTLOG_KEY_PREFIX
+_PREFIX_LEN = len(_PREFIX)
+
+#: The last second iso_time rendered, as (Unix second, "YYYY-MM-DDTHH:MM:SS").
+_second: list[tuple[float, str]] = [(-1.0, "")]
+
+
+def iso_time(stamp: float) -> str:
+    """Render a Unix time as ISO 8601 UTC, exactly as TimeStamper(fmt="iso", utc=True) does.
+
+    The microseconds are rounded as datetime.fromtimestamp rounds them (half to even, carried
+    into the second); the date and time of day are formatted once per second, not per record.
+    """
+    fraction, whole = math.modf(stamp)
+    micros = round(fraction * 1e6)
+    if micros >= 1_000_000:
+        micros, whole = micros - 1_000_000, whole + 1.0
+    elif micros < 0:
+        micros, whole = micros + 1_000_000, whole - 1.0
+    second, text = _second[0]
+    if second != whole:
+        text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole))
+        _second[0] = (whole, text)
+    return f"{text}.{micros:06d}Z" if micros else f"{text}Z"  # isoformat drops a zero fraction
