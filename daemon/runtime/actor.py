@@ -7,6 +7,7 @@ import sqlite3
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import anyio
@@ -267,6 +268,8 @@ class Actor:
         # Taken now: steps still running note their history meanwhile, for the next save.
         history, self._history = self._history, []
         items, self._unsaved = self._unsaved, []
+        # Steps chained in a worker thread (see StepPool) are checkpointed by this one too.
+        chained = self.pool.take_chained() if self.pool is not None else 0
         return Save(
             status=loaded.state.status.value,
             data=loaded.wf.to_json(),
@@ -276,6 +279,7 @@ class Actor:
             next_run_at=loaded.next_run_at,
             history=history,
             items=items,
+            count=1 + chained,
         )
 
     async def _write(self, save: Save) -> None:
@@ -299,6 +303,9 @@ class Actor:
         """Save the workflow and return once it is durable, with every checkpoint before it."""
         await self._pipeline.put(self._take(loaded))
         await self._pipeline.flush()
+
+    async def _put(self, loaded: Loaded) -> None:
+        await self._pipeline.put(self._take(loaded))
 
     async def _flush(self) -> None:
         await self._pipeline.flush()
@@ -342,6 +349,8 @@ class Actor:
                     attempts=attempts,
                     observe=self._observe_step,
                     durable=self._flush,
+                    room=self._pipeline.room,
+                    save=partial(self._put, loaded),
                 ) as self.pool:
                     if self._stop:  # shutdown began while this resume was being set up
                         self.pool.stop()

@@ -14,12 +14,12 @@ import structlog
 
 from daemon.clock import Clock
 from daemon.core.command import Run
-from daemon.core.engine import Done
+from daemon.core.engine import Done, Start
 from daemon.core.merge import Fork
-from daemon.core.statements import NonRetryableError, Retry
+from daemon.core.statements import NonRetryableError, Retry, Step
 from daemon.errors import StepFailed
 from daemon.runtime.settings import Settings
-from daemon.runtime.steps import Note, StepRun, run_step
+from daemon.runtime.steps import Chain, Note, StepRun, chains, run_chain, run_step
 
 log = structlog.get_logger()
 #: Records a retry that is due: its history entry, attempt, error and when it runs again.
@@ -48,8 +48,19 @@ class StepPool:
         attempts: dict[str, int] | None = None,
         observe: Observe | None = None,
         durable: Callable[[], Awaitable[None]] | None = None,
+        room: Callable[[], int] | None = None,
+        save: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._limiter, self._clock, self._settings = limiter, clock, settings
+        #: How many more checkpoints the workflow's pipeline may take before one waits for a
+        #: commit: a lone thread's sync steps run back to back in one worker thread, as many
+        #: as that (see Chain). None: each step is handed back on its own.
+        self._room = room
+        #: Puts a checkpoint of the workflow as it is now (after a chain's failed step).
+        self._save = save
+        #: Steps run in chains since `take_chained` was last called (their checkpoints are
+        #: taken together, with the next one).
+        self._chained = 0
         self._observe = observe
         #: Returns once the workflow's checkpoints so far are durable (see `stepping`).
         self._durable = durable
@@ -106,6 +117,11 @@ class StepPool:
     def stepping(self) -> bool:
         """Tell whether steps are about to run or running (their checkpoints may pipeline)."""
         return bool(self._pending) or self._flight > 0
+
+    def take_chained(self) -> int:
+        """Return how many steps chains ran after their first since the last call, and reset."""
+        n, self._chained = self._chained, 0
+        return n
 
     def stop(self) -> None:
         """Start no more steps, and end the retry waits (shutdown); running steps go on."""
@@ -171,6 +187,16 @@ class StepPool:
         finally:
             self._tasks -= 1
 
+    def _chain_room(self, step: Step, make_fork: Callable[..., Fork], alone: bool) -> int | None:
+        """Return how many steps may follow `step` in a chain; None: it runs on its own."""
+        if self._room is None or not alone or not isinstance(make_fork, Start) or not chains(step):
+            return None
+        return max(0, self._room())
+
+    def _observed(self, step: str, seconds: float) -> None:
+        if self._observe is not None:
+            self._observe(step, "done", seconds)
+
     async def _attempts_of(
         self, thread_id: str, make_fork: Callable[..., Fork], *, alone: bool = False
     ) -> Done:
@@ -192,10 +218,35 @@ class StepPool:
             def note(kind: str, detail: dict[str, Any]) -> None:
                 self._note(kind, {**detail, "thread": thread_id})
 
+            chain: Chain | None = None
             try:
                 if isinstance(step, Run) and self._durable is not None:
                     await self._durable()  # a command is seen outside: what led to it is saved
-                await run_step(step, limiter=self._limiter, note=note, run=run, data=f.copy)
+                room = self._chain_room(step, make_fork, alone)
+                if room is None:
+                    await run_step(step, limiter=self._limiter, note=note, run=run, data=f.copy)
+                else:
+                    assert isinstance(make_fork, Start)
+                    chain = Chain(make_fork, f, room, lambda: not self._stopping)
+                    try:
+                        await run_chain(
+                            chain,
+                            limiter=self._limiter,
+                            note=note,
+                            running=self.running,
+                            thread_id=thread_id,
+                            observe=self._observed,
+                        )
+                    finally:
+                        # Whatever ran last is this attempt's step: a retry runs that one.
+                        make_fork, f, step = chain.start, chain.fork, chain.fork.step
+                        run = self.running[thread_id]
+                        if chain.stepped:
+                            attempt = 0
+                            self._chained += chain.stepped - chain.moved
+                    if chain.moved:
+                        outcome = "done"
+                        return Done(thread_id, moved=True)
                 f.finish()
                 outcome = "done"
                 return Done(thread_id, f)
@@ -207,6 +258,11 @@ class StepPool:
                 del self.running[thread_id]
                 if self._observe is not None:
                     self._observe(step.name, outcome, time.monotonic() - run.began)
+            if chain is not None and chain.stepped and self._save is not None:
+                # The chain's earlier steps are checkpointed (as they would have been one by
+                # one) before the failure is stored or fails the workflow.
+                self._chained -= 1
+                await self._save()
             attempt += 1
             policy = step.retry or Retry()
             limit = policy.max_attempts

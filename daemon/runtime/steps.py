@@ -17,6 +17,8 @@ import anyio
 import structlog
 
 from daemon.core.command import Run
+from daemon.core.engine import Start
+from daemon.core.merge import Fork
 from daemon.core.statements import NonRetryableError, Step
 from daemon.runtime.commands import run_command
 from daemon.runtime.workers import Workers
@@ -93,6 +95,11 @@ class _Call:
         #: When a worker thread began it (time.monotonic()); its timeout counts from then.
         self.began: float | None = None
 
+    @property
+    def abandoned(self) -> bool:
+        """Tell whether the daemon gave up on it."""
+        return self._abandoned
+
     def __call__(self) -> object:
         with self._lock:
             if self._abandoned:  # given up on before a thread took it
@@ -159,6 +166,121 @@ async def run_step(
     ms = round((time.perf_counter() - started) * 1000, 3)
     log.info("step_done", step=step.name, duration_ms=ms)
     note("step_done", {"step": step.name, "duration_ms": ms})
+
+
+def chains(step: Step) -> bool:
+    """Tell whether a step may run in a chain: a plain sync action, with no timeout."""
+    return not (isinstance(step, Run) or step.inline or step.timeout or _is_async(step.action))
+
+
+@dataclass(slots=True, eq=False)
+class Chain:
+    """A thread's sync steps run back to back in one worker thread (see Start.then).
+
+    It begins with one step (`start`, `fork`); after each step that finished, while it has
+    `room` and `going()` holds, the engine is run on in the worker thread to the thread's
+    next step, and that one runs too if it `chains`. At its end `start` and `fork` are the
+    last step's: finished, or failed (the error is raised), or the thread `moved` on.
+    """
+
+    start: Start
+    fork: Fork
+    #: How many more steps it may run after the first.
+    room: int
+    #: Whether it may go on to a next step (False once the pool stops).
+    going: Callable[[], bool]
+    #: The steps that finished, in order, each with its StepRun and seconds.
+    done: list[tuple[StepRun, float]] = field(default_factory=list)
+    #: Steps the engine moved the thread past, in the worker thread (Start.then).
+    stepped: int = 0
+    #: The engine moved the thread on past the last step (see Done.moved).
+    moved: bool = False
+    #: What the last step's sync action returned to be awaited on the loop, if anything.
+    pending: Awaitable[Any] | None = None
+
+
+async def run_chain(
+    chain: Chain,
+    *,
+    limiter: anyio.CapacityLimiter,
+    note: Note,
+    running: dict[str, StepRun],
+    thread_id: str,
+    observe: Callable[[str, float], None] | None = None,
+    abandoned: Abandoned = ABANDONED,
+    workers: Workers = WORKERS,
+) -> None:
+    """Run a chain of sync steps in one worker thread and slot; raise what its last raised.
+
+    One thread hand-off for the whole chain instead of one per step. `running[thread_id]` is
+    the StepRun of the step running now (for `show`). Each step that finished is logged as
+    `step_done` and noted, as run_step does, once the chain is back; `observe` is told of
+    each but the last (its caller reports that one). A cancel abandons the thread, as for
+    one step, and the chain stops before its next step.
+    """
+    run = running[thread_id]
+    run.queued_since = time.time()
+    call: _Call
+
+    def body() -> object:
+        _chain(chain, call, running, thread_id)
+        return None
+
+    call = _Call(body, abandoned, run)
+    job = workers.submit(call, limiter.total_tokens)
+    try:
+        await job.future
+    except Exception:
+        _chain_done(chain, note, running[thread_id], observe)
+        raise
+    except BaseException:
+        if call.abandon():
+            _report(chain.fork.step, note, "cancelled", abandoned)
+        workers.forget(job)
+        raise
+    workers.forget(job)
+    last = running[thread_id]
+    if chain.pending is not None:
+        _chain_done(chain, note, last, observe)
+        chain.done = []
+        await chain.pending
+        chain.done.append((last, time.monotonic() - last.began))
+    _chain_done(chain, note, last, observe)
+
+
+def _chain(chain: Chain, call: _Call, running: dict[str, StepRun], thread_id: str) -> None:
+    """Run the chain's steps, in the worker thread; a step's exception ends it (and is raised)."""
+    run = running[thread_id]
+    while True:
+        began = time.perf_counter()
+        result = chain.fork.step.action()
+        if inspect.isawaitable(result):
+            chain.pending = result
+            return
+        chain.done.append((run, time.perf_counter() - began))
+        if chain.room <= 0 or call.abandoned or not chain.going():
+            return
+        nxt = chain.start.then(chain.fork)
+        chain.stepped += 1
+        if nxt is None or not chains(nxt.step) or not nxt.begin():
+            chain.moved = True  # then() moved the thread past the step that finished
+            return
+        chain.room -= 1
+        chain.start, chain.fork = nxt, nxt(alone=True)
+        run = StepRun(nxt.step.name)
+        run.running_since = run.since
+        running[thread_id] = run
+
+
+def _chain_done(
+    chain: Chain, note: Note, last: StepRun, observe: Callable[[str, float], None] | None
+) -> None:
+    for run, seconds in chain.done:
+        ms = round(seconds * 1000, 3)
+        log.info("step_done", step=run.step, duration_ms=ms)
+        note("step_done", {"step": run.step, "duration_ms": ms})
+        if observe is not None and run is not last:
+            observe(run.step, seconds)
 
 
 def _store_into(data: object, field: str, value: dict[str, Any]) -> None:
