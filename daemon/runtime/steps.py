@@ -258,13 +258,18 @@ def _chain(chain: Chain, call: _Call, running: dict[str, StepRun], thread_id: st
             chain.pending = result
             return
         chain.done.append((run, time.perf_counter() - began))
-        if chain.room <= 0 or call.abandoned or not chain.going():
+        if chain.room <= 0 or not chain.going():
             return
-        nxt = chain.start.then(chain.fork)
-        chain.stepped += 1
-        if nxt is None or not chains(nxt.step) or not nxt.begin():
-            chain.moved = True  # then() moved the thread past the step that finished
-            return
+        # Under the call's lock: once the loop has given the chain up (and reads the state
+        # again), it moves the workflow's state no more.
+        with call._lock:
+            if call.abandoned:
+                return
+            nxt = chain.start.then(chain.fork)
+            chain.stepped += 1
+            if nxt is None or not chains(nxt.step) or not nxt.begin():
+                chain.moved = True  # then() moved the thread past the step that finished
+                return
         chain.room -= 1
         chain.start, chain.fork = nxt, nxt(alone=True)
         run = StepRun(nxt.step.name)
