@@ -375,7 +375,11 @@ class _Resumer:
 
     def alone(self, t: Thread) -> bool:
         """Tell whether every thread but `t` waits for an event (nothing else for the engine)."""
-        return all(o is t or o.status is _WAITING_EVENT for o in self.state.threads)
+        # A loop, not all() over a generator: this runs after every step of a chain.
+        for o in self.state.threads:  # noqa: SIM110
+            if o is not t and o.status is not _WAITING_EVENT:
+                return False
+        return True
 
     def step_of(self, t: Thread) -> Step:
         step = self.ready.pop(t.id, None) or self.defn.get(t.cur_step, Step)

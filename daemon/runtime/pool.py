@@ -19,7 +19,7 @@ from daemon.core.merge import Fork
 from daemon.core.statements import NonRetryableError, Retry, Step
 from daemon.errors import StepFailed
 from daemon.runtime.settings import Settings
-from daemon.runtime.steps import Chain, Note, StepRun, chains, run_chain, run_step
+from daemon.runtime.steps import Chain, Note, StepRun, chain_kind, run_chain, run_step
 
 log = structlog.get_logger()
 #: Records a retry that is due: its history entry, attempt, error and when it runs again.
@@ -189,7 +189,9 @@ class StepPool:
 
     def _chain_room(self, step: Step, make_fork: Callable[..., Fork], alone: bool) -> int | None:
         """Return how many steps may follow `step` in a chain; None: it runs on its own."""
-        if self._room is None or not alone or not isinstance(make_fork, Start) or not chains(step):
+        if self._room is None or not alone or not isinstance(make_fork, Start):
+            return None
+        if chain_kind(step) is None:
             return None
         return max(0, self._room())
 

@@ -168,19 +168,29 @@ async def run_step(
     note("step_done", {"step": step.name, "duration_ms": ms})
 
 
-def chains(step: Step) -> bool:
-    """Tell whether a step may run in a chain: a plain sync action, with no timeout."""
-    return not (isinstance(step, Run) or step.inline or step.timeout or _is_async(step.action))
+#: Where a chain runs: sync steps in a worker thread, async and inline ones on the loop.
+THREAD, LOOP = "thread", "loop"
+
+
+def chain_kind(step: Step) -> str | None:
+    """Return where a step may run in a chain (THREAD or LOOP); None: only on its own.
+
+    Not a command (Run) nor a step with a timeout: these are run by run_step.
+    """
+    if isinstance(step, Run) or step.timeout:
+        return None
+    return LOOP if step.inline or _is_async(step.action) else THREAD
 
 
 @dataclass(slots=True, eq=False)
 class Chain:
-    """A thread's sync steps run back to back in one worker thread (see Start.then).
+    """A thread's steps run back to back, with no hand-back to the engine (see Start.then).
 
     It begins with one step (`start`, `fork`); after each step that finished, while it has
-    `room` and `going()` holds, the engine is run on in the worker thread to the thread's
-    next step, and that one runs too if it `chains`. At its end `start` and `fork` are the
-    last step's: finished, or failed (the error is raised), or the thread `moved` on.
+    `room` and `going()` holds, the engine is run on to the thread's next step, and that one
+    runs too if it chains the same way (chain_kind): sync steps in one worker thread, async
+    and inline ones on the loop. At its end `start` and `fork` are the last step's:
+    finished, or failed (the error is raised), or the thread `moved` on.
     """
 
     start: Start
@@ -210,14 +220,23 @@ async def run_chain(
     abandoned: Abandoned = ABANDONED,
     workers: Workers = WORKERS,
 ) -> None:
-    """Run a chain of sync steps in one worker thread and slot; raise what its last raised.
+    """Run a chain of steps; raise what its last step raised.
 
-    One thread hand-off for the whole chain instead of one per step. `running[thread_id]` is
-    the StepRun of the step running now (for `show`). Each step that finished is logged as
-    `step_done` and noted, as run_step does, once the chain is back; `observe` is told of
-    each but the last (its caller reports that one). A cancel abandons the thread, as for
-    one step, and the chain stops before its next step.
+    Sync steps run in one worker thread and slot: one thread hand-off for the whole chain
+    instead of one per step. `running[thread_id]` is the StepRun of the step running now
+    (for `show`). Each step that finished is logged as `step_done` and noted, as run_step
+    does (a thread's chain once it is back); `observe` is told of each but the last (its
+    caller reports that one). A cancel abandons the thread, as for one step, and the chain
+    stops before its next step.
     """
+    if chain_kind(chain.fork.step) == LOOP:
+        try:
+            await _chain_here(chain, running, thread_id)
+        except Exception:
+            _chain_done(chain, note, running[thread_id], observe)
+            raise
+        _chain_done(chain, note, running[thread_id], observe)
+        return
     run = running[thread_id]
     run.queued_since = time.time()
     call: _Call
@@ -267,7 +286,7 @@ def _chain(chain: Chain, call: _Call, running: dict[str, StepRun], thread_id: st
                 return
             nxt = chain.start.then(chain.fork)
             chain.stepped += 1
-            if nxt is None or not chains(nxt.step) or not nxt.begin():
+            if nxt is None or chain_kind(nxt.step) != THREAD or not nxt.begin():
                 chain.moved = True  # then() moved the thread past the step that finished
                 return
         chain.room -= 1
@@ -275,6 +294,32 @@ def _chain(chain: Chain, call: _Call, running: dict[str, StepRun], thread_id: st
         run = StepRun(nxt.step.name)
         run.running_since = run.since
         running[thread_id] = run
+
+
+async def _chain_here(chain: Chain, running: dict[str, StepRun], thread_id: str) -> None:
+    """Run the chain's async and inline steps on the loop, as run_step runs one."""
+    run = running[thread_id]
+    while True:
+        action = chain.fork.step.action
+        run.running_since = time.time()
+        began = time.perf_counter()
+        if _is_async(action):
+            await action()
+        else:
+            result = action()
+            if inspect.isawaitable(result):
+                await result
+        chain.done.append((run, time.perf_counter() - began))
+        if chain.room <= 0 or not chain.going():
+            return
+        nxt = chain.start.then(chain.fork)
+        chain.stepped += 1
+        if nxt is None or chain_kind(nxt.step) != LOOP or not nxt.begin():
+            chain.moved = True
+            return
+        chain.room -= 1
+        chain.start, chain.fork = nxt, nxt(alone=True)
+        run = running[thread_id] = StepRun(nxt.step.name)
 
 
 def _chain_done(

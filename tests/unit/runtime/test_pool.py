@@ -220,14 +220,14 @@ _THREADS: list[int] = []
 class Chained(Run):
     """Drives `resume` with a pool that chains, recording each checkpoint's data and count."""
 
-    def __init__(self, wf: Counter, clock: FakeClock, room: int) -> None:
+    def __init__(self, wf: Counter | AsyncCounter, clock: FakeClock, room: int) -> None:
         super().__init__(wf, clock)
         self.room = room
         #: (kind, wf.i, checkpoints it stands for) for each checkpoint, the pool's own too.
         self.taken: list[tuple[str, int, int]] = []
 
     def take(self, kind: str) -> None:
-        assert isinstance(self.wf, Counter) and self.pool is not None
+        assert isinstance(self.wf, Counter | AsyncCounter) and self.pool is not None
         self.taken.append((kind, self.wf.i, 1 + self.pool.take_chained()))
 
     async def checkpoint(self, kind: CheckpointType) -> None:
@@ -331,3 +331,28 @@ class TestChain:
             await until(lambda: ABANDONED.total - ABANDONED.running > ended)
         assert isinstance(run.wf, Counter) and run.wf.i == 4  # the step ran to its end
         assert run.state.pc == pc
+
+    async def test_async_steps_chain_on_the_loop(self) -> None:
+        """A lone thread's async steps run one after another on the loop, with no checkpoint
+        each: one stands for every run of them the pipeline has room for."""
+        run = Chained(AsyncCounter(n=20), FakeClock(), room=9)
+        with anyio.fail_after(10):
+            await run.resume(Settings())
+        assert isinstance(run.wf, AsyncCounter) and run.wf.i == 20
+        assert run.notes.count("step_done") == 20
+        counts = [count for kind, _, count in run.taken if kind == "afterStep"]
+        assert counts == [10, 10]
+
+
+@dataclass
+class AsyncCounter(Workflow):
+    """Runs `n` async steps."""
+
+    n: int = 10
+    i: int = 0
+
+    async def inc(self) -> None:
+        self.i += 1
+
+    def definition(self) -> Section:
+        return S(For("loop", self.i < self.n, Step("inc", self.inc)))
