@@ -268,7 +268,7 @@ class Actor:
         # Taken now: steps still running note their history meanwhile, for the next save.
         history, self._history = self._history, []
         items, self._unsaved = self._unsaved, []
-        # Steps chained in a worker thread (see StepPool) are checkpointed by this one too.
+        # Steps run in a chain (see StepPool) since the last one are checkpointed by this one.
         chained = self.pool.take_chained() if self.pool is not None else 0
         return Save(
             status=loaded.state.status.value,

@@ -115,6 +115,8 @@ class Pipeline:
 
     async def settle(self) -> None:
         """Wait for the write in flight, whatever its outcome (before reading the store back)."""
+        if self._task is None:
+            return  # nothing in flight: no shielded scope to make (once per actor)
         with anyio.CancelScope(shield=True):
             while self._task is not None:
                 await asyncio.wait([self._task])

@@ -74,8 +74,9 @@ class StepPool:
         self._pending: list[tuple[str, Callable[..., Fork]]] = []
         self._done: list[Done] = []
         self._error: BaseException | None = None
-        # asyncio's event, not anyio's: one is made per wait, and anyio's costs a lookup.
-        self._wake = asyncio.Event()
+        # asyncio's event, not anyio's: one is made per wait, and anyio's costs a lookup. Made
+        # when first waited for: most resumes run no step, or one alone, and never wait.
+        self._wake: asyncio.Event | None = None
         #: Steps between their first attempt and their end (retry waits included).
         self._flight = 0
         self._stopping = False
@@ -160,6 +161,8 @@ class StepPool:
                 self._tg.start_soon(self._run, thread_id, make_fork)
             self._pending.clear()
         while not self._done and self._error is None:
+            if self._wake is None:
+                self._wake = asyncio.Event()
             self._wake.clear()
             await self._wake.wait()
         if self._error is not None:
@@ -176,14 +179,16 @@ class StepPool:
 
     def _report(self, done: Done) -> None:
         self._done.append(done)
-        self._wake.set()
+        if self._wake is not None:
+            self._wake.set()
 
     async def _run(self, thread_id: str, make_fork: Callable[..., Fork]) -> None:
         try:
             self._report(await self._attempts_of(thread_id, make_fork))
         except Exception as e:  # noqa: BLE001 - e.g. the retry not stored: the engine raises it
             self._error = e
-            self._wake.set()
+            if self._wake is not None:
+                self._wake.set()
         finally:
             self._tasks -= 1
 
