@@ -325,9 +325,10 @@ async def _chain_here(chain: Chain, running: dict[str, StepRun], thread_id: str)
 def _chain_done(
     chain: Chain, note: Note, last: StepRun, observe: Callable[[str, float], None] | None
 ) -> None:
+    info = log.info  # looked up once (through structlog's lazy proxy) for the whole chain
     for run, seconds in chain.done:
         ms = round(seconds * 1000, 3)
-        log.info("step_done", step=run.step, duration_ms=ms)
+        info("step_done", step=run.step, duration_ms=ms)
         note("step_done", {"step": run.step, "duration_ms": ms})
         if observe is not None and run is not last:
             observe(run.step, seconds)
