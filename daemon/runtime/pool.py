@@ -19,7 +19,15 @@ from daemon.core.merge import Fork
 from daemon.core.statements import NonRetryableError, Retry, Step
 from daemon.errors import StepFailed
 from daemon.runtime.settings import Settings
-from daemon.runtime.steps import Chain, Note, StepRun, chain_kind, run_chain, run_step
+from daemon.runtime.steps import (
+    CHAIN_S,
+    Chain,
+    Note,
+    StepRun,
+    chain_kind,
+    run_chain,
+    run_step,
+)
 
 log = structlog.get_logger()
 #: Records a retry that is due: its history entry, attempt, error and when it runs again.
@@ -50,6 +58,7 @@ class StepPool:
         durable: Callable[[], Awaitable[None]] | None = None,
         room: Callable[[], int] | None = None,
         save: Callable[[], Awaitable[None]] | None = None,
+        chain_s: float = CHAIN_S,
     ) -> None:
         self._limiter, self._clock, self._settings = limiter, clock, settings
         #: How many more checkpoints the workflow's pipeline may take before one waits for a
@@ -58,6 +67,7 @@ class StepPool:
         self._room = room
         #: Puts a checkpoint of the workflow as it is now (after a chain's failed step).
         self._save = save
+        self._chain_s = chain_s
         #: Steps run in chains since `take_chained` was last called (their checkpoints are
         #: taken together, with the next one).
         self._chained = 0
@@ -234,7 +244,9 @@ class StepPool:
                     await run_step(step, limiter=self._limiter, note=note, run=run, data=f.copy)
                 else:
                     assert isinstance(make_fork, Start)
-                    chain = Chain(make_fork, f, room, lambda: not self._stopping)
+                    chain = Chain(
+                        make_fork, f, room, lambda: not self._stopping, budget_s=self._chain_s
+                    )
                     try:
                         await run_chain(
                             chain,

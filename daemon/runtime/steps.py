@@ -170,6 +170,10 @@ async def run_step(
 
 #: Where a chain runs: sync steps in a worker thread, async and inline ones on the loop.
 THREAD, LOOP = "thread", "loop"
+#: How long a chain may run before it hands its steps back to be checkpointed: quick steps
+#: share a hand-off and a checkpoint, a slow step's checkpoint is not delayed by the next
+#: step (and a chain on the loop holds it no longer than this).
+CHAIN_S = 0.001
 
 
 def chain_kind(step: Step) -> str | None:
@@ -187,7 +191,8 @@ class Chain:
     """A thread's steps run back to back, with no hand-back to the engine (see Start.then).
 
     It begins with one step (`start`, `fork`); after each step that finished, while it has
-    `room` and `going()` holds, the engine is run on to the thread's next step, and that one
+    `room`, has run for less than `budget_s` and `going()` holds, the engine is run on to the
+    thread's next step, and that one
     runs too if it chains the same way (chain_kind): sync steps in one worker thread, async
     and inline ones on the loop. At its end `start` and `fork` are the last step's:
     finished, or failed (the error is raised), or the thread `moved` on.
@@ -207,6 +212,10 @@ class Chain:
     moved: bool = False
     #: What the last step's sync action returned to be awaited on the loop, if anything.
     pending: Awaitable[Any] | None = None
+    #: How long it may go on to next steps after its first began (CHAIN_S by default).
+    budget_s: float = CHAIN_S
+    #: When (time.perf_counter()) it stops going on to next steps.
+    until: float = 0.0
 
 
 async def run_chain(
@@ -270,14 +279,16 @@ async def run_chain(
 def _chain(chain: Chain, call: _Call, running: dict[str, StepRun], thread_id: str) -> None:
     """Run the chain's steps, in the worker thread; a step's exception ends it (and is raised)."""
     run = running[thread_id]
+    chain.until = time.perf_counter() + chain.budget_s
     while True:
         began = time.perf_counter()
         result = chain.fork.step.action()
         if inspect.isawaitable(result):
             chain.pending = result
             return
-        chain.done.append((run, time.perf_counter() - began))
-        if chain.room <= 0 or not chain.going():
+        ended = time.perf_counter()
+        chain.done.append((run, ended - began))
+        if chain.room <= 0 or ended >= chain.until or not chain.going():
             return
         # Under the call's lock: once the loop has given the chain up (and reads the state
         # again), it moves the workflow's state no more.
@@ -299,6 +310,7 @@ def _chain(chain: Chain, call: _Call, running: dict[str, StepRun], thread_id: st
 async def _chain_here(chain: Chain, running: dict[str, StepRun], thread_id: str) -> None:
     """Run the chain's async and inline steps on the loop, as run_step runs one."""
     run = running[thread_id]
+    chain.until = time.perf_counter() + chain.budget_s
     while True:
         action = chain.fork.step.action
         run.running_since = time.time()
@@ -309,8 +321,9 @@ async def _chain_here(chain: Chain, running: dict[str, StepRun], thread_id: str)
             result = action()
             if inspect.isawaitable(result):
                 await result
-        chain.done.append((run, time.perf_counter() - began))
-        if chain.room <= 0 or not chain.going():
+        ended = time.perf_counter()
+        chain.done.append((run, ended - began))
+        if chain.room <= 0 or ended >= chain.until or not chain.going():
             return
         nxt = chain.start.then(chain.fork)
         chain.stepped += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -191,8 +192,11 @@ class Counter(Workflow):
     fail_at: int = -1
     block_at: int = -1
     failed: bool = False
+    delay_s: float = 0.0
 
     def inc(self) -> None:
+        if self.delay_s:
+            time.sleep(self.delay_s)
         if self.i == self.fail_at and not _FAILED.get(id(self)):
             _FAILED[id(self)] = True
             self.i = -100  # undone with the failed attempt
@@ -220,9 +224,11 @@ _THREADS: list[int] = []
 class Chained(Run):
     """Drives `resume` with a pool that chains, recording each checkpoint's data and count."""
 
-    def __init__(self, wf: Counter | AsyncCounter, clock: FakeClock, room: int) -> None:
+    def __init__(
+        self, wf: Counter | AsyncCounter, clock: FakeClock, room: int, chain_s: float = 60.0
+    ) -> None:
         super().__init__(wf, clock)
-        self.room = room
+        self.room, self.chain_s = room, chain_s
         #: (kind, wf.i, checkpoints it stands for) for each checkpoint, the pool's own too.
         self.taken: list[tuple[str, int, int]] = []
 
@@ -247,6 +253,7 @@ class Chained(Run):
             on_retry=self.on_retry,
             room=lambda: self.room,
             save=self.save,
+            chain_s=self.chain_s,
         ) as self.pool:
             await resume(self.wf, self.state, self.checkpoint, steps=self.pool)
 
@@ -271,6 +278,15 @@ class TestChain:
             assert 0 < i - before == count <= 32
             before = i
         assert before == 100
+
+    async def test_a_slow_step_ends_the_chain(self) -> None:
+        """Past the chain's time budget a step is handed back, to be checkpointed at once:
+        a slow step's checkpoint never waits for the steps after it."""
+        run = Chained(Counter(n=5, delay_s=0.002), FakeClock(), room=31, chain_s=0.001)
+        with anyio.fail_after(10):
+            await run.resume(Settings())
+        counts = [count for kind, _, count in run.taken if kind == "afterStep"]
+        assert counts == [1, 1, 1, 1, 1]
 
     async def test_room_bounds_a_chain(self) -> None:
         """With room for 2 more checkpoints, no checkpoint stands for more than 3 steps."""
