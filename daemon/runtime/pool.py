@@ -41,7 +41,9 @@ class StepPool:
 
     A failing step is retried with backoff in its own task, against a fresh fork, while the
     other threads' steps go on; one that fails for good is handed to the engine, which fails
-    the workflow, and leaving the pool cancels the rest (sync steps are abandoned). Use it as
+    the workflow, and leaving the pool cancels the rest (sync steps are abandoned). A step
+    alone in flight may run the thread's next quick steps with it, as a chain (see Chain and
+    Start.then), when the pool is given `room`. Use it as
     `async with StepPool(...) as pool: await resume(..., steps=pool)`.
     """
 
@@ -62,8 +64,8 @@ class StepPool:
     ) -> None:
         self._limiter, self._clock, self._settings = limiter, clock, settings
         #: How many more checkpoints the workflow's pipeline may take before one waits for a
-        #: commit: a lone thread's sync steps run back to back in one worker thread, as many
-        #: as that (see Chain). None: each step is handed back on its own.
+        #: commit: a lone thread's steps run as a chain (see Chain), at most that many after
+        #: the first. None: each step is handed back to the engine on its own.
         self._room = room
         #: Puts a checkpoint of the workflow as it is now (after a chain's failed step).
         self._save = save
