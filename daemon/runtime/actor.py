@@ -86,6 +86,8 @@ class Actor:
     #: Inbox events applied (or rejected) in memory since the last save.
     _unsaved: list[Item] = field(default_factory=list)
     _io_failures: int = 0
+    #: The workflow in memory was moved on by a chain given up on: read it back first.
+    _stale: bool = False
     _workflow: str = ""
     #: Another daemon took the workflow's lease (a shared store): nothing more is written.
     _lost: bool = False
@@ -165,6 +167,12 @@ class Actor:
 
     async def _loop(self, loaded: Loaded) -> None:
         while not self._stop:
+            if self._stale:
+                # A cancel gave up a chain of steps after its worker thread had moved the
+                # state on: what the cancel checks is the durable state, not that.
+                self._stale = False
+                loaded = await self._guard(self._refresh, loaded)
+                continue
             if self._cancelling:
                 loaded = await self._guard(self._cancel, loaded)
                 continue
@@ -307,6 +315,9 @@ class Actor:
     async def _put(self, loaded: Loaded) -> None:
         await self._pipeline.put(self._take(loaded))
 
+    async def _refresh(self, loaded: Loaded) -> None:
+        await self._reload()
+
     async def _flush(self) -> None:
         await self._pipeline.flush()
 
@@ -367,6 +378,7 @@ class Actor:
                 await self._fail(await self._reload(), str(e))
                 return
             finally:
+                self._stale = self._stale or (self.pool is not None and self.pool.stale)
                 self.pool = None
         self._scope = None
         if self._cancelling or self._lost:

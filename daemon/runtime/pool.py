@@ -73,6 +73,9 @@ class StepPool:
         #: Steps run in chains since `take_chained` was last called (their checkpoints are
         #: taken together, with the next one).
         self._chained = 0
+        #: A chain was given up on (a cancel) after it had moved the workflow's state on in
+        #: its thread: the state in memory is no longer one the engine saw; read it back.
+        self.stale = False
         self._observe = observe
         #: Returns once the workflow's checkpoints so far are durable (see `stepping`).
         self._durable = durable
@@ -185,7 +188,9 @@ class StepPool:
     async def _handed(self, done: list[Done]) -> list[Done]:
         # A step not run (stopping) lets the engine set up waits next, which tell the outside:
         # what ran before is made durable first.
-        if self._durable is not None and any(d.fork is None and d.failure is None for d in done):
+        if self._durable is not None and any(
+            d.fork is None and d.failure is None and not d.moved for d in done
+        ):
             await self._durable()
         return done
 
@@ -259,6 +264,7 @@ class StepPool:
                             observe=self._observed,
                         )
                     finally:
+                        self.stale = self.stale or chain.stale
                         # Whatever ran last is this attempt's step: a retry runs that one.
                         make_fork, f, step = chain.start, chain.fork, chain.fork.step
                         run = self.running[thread_id]

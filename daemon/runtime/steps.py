@@ -210,6 +210,8 @@ class Chain:
     stepped: int = 0
     #: The engine moved the thread on past the last step (see Done.moved).
     moved: bool = False
+    #: Given up on (a cancel) after it moved the thread on: the engine never saw that.
+    stale: bool = False
     #: What the last step's sync action returned to be awaited on the loop, if anything.
     pending: Awaitable[Any] | None = None
     #: How long it may go on to next steps after its first began (CHAIN_S by default).
@@ -264,6 +266,8 @@ async def run_chain(
     except BaseException:
         if call.abandon():
             _report(chain.fork.step, note, "cancelled", abandoned)
+        # From here on the thread moves the state no more (see _chain).
+        chain.stale = chain.stepped > 0
         workers.forget(job)
         raise
     workers.forget(job)

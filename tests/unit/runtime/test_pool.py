@@ -347,6 +347,9 @@ class TestChain:
             await until(lambda: ABANDONED.total - ABANDONED.running > ended)
         assert isinstance(run.wf, Counter) and run.wf.i == 4  # the step ran to its end
         assert run.state.pc == pc
+        # The chain had moved the state past steps the engine never saw done: the actor
+        # reads the workflow back before it goes on (a cancel checks the durable state).
+        assert run.pool is not None and run.pool.stale
 
     async def test_async_steps_chain_on_the_loop(self) -> None:
         """A lone thread's async steps run one after another on the loop, with no checkpoint
