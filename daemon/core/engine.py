@@ -6,7 +6,6 @@ import inspect
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Protocol
 
 # Explicit re-exports (mypy's idiom): daemon.core.engine.Definition and .validate stay importable.
@@ -89,6 +88,9 @@ class Done:
     thread_id: str
     fork: Fork | None = None
     failure: StepFailed | None = None
+    #: The runner ran the engine on past the step, through `Start.then`: its thread is
+    #: stepped and stopped somewhere new (and `fork` is None).
+    moved: bool = False
 
 
 class Steps(Protocol):
@@ -98,7 +100,8 @@ class Steps(Protocol):
         """Begin running a thread's step; `make_fork()` copies the data as it is then.
 
         `make_fork(alone=True)` (see daemon.core.merge.fork) may be used for a step that no
-        other can overlap: one alone in flight while the engine waits in `next`.
+        other can overlap: one alone in flight while the engine waits in `next`. The engine
+        passes a `Start`, whose `then` lets a runner go on to the thread's next step itself.
         """
 
     async def next(self) -> list[Done]:
@@ -125,6 +128,62 @@ class _Inline:
             f.discard()
             return [Done(thread_id, failure=StepFailed(f.step.name, e))]
         return [Done(thread_id, f)]
+
+
+class Start:
+    """A thread's step the engine hands its runner: called, it makes the step's fork.
+
+    `then` runs the engine on from the finished step to the thread's next Step, so that a
+    runner may run a chain of a thread's steps without handing each back (a worker thread
+    runs sync steps back to back). It is called on the runner's own thread while the engine
+    waits in `Steps.next`, for a step that ran alone on the live data.
+    """
+
+    __slots__ = ("resumer", "step", "thread")
+
+    def __init__(self, resumer: _Resumer, thread: Thread, step: Step) -> None:
+        self.resumer, self.thread, self.step = resumer, thread, step
+
+    def __call__(self, *, alone: bool = False) -> Fork:
+        return fork(self.resumer.wf, self.step, alone=alone)
+
+    def then(self, done: Fork) -> Start | None:
+        """Move the thread past `done` (finished in place); return its next Step, or None.
+
+        None: the thread stopped at something else (a wait, its end, a Step while another
+        thread needs the engine), and the runner reports `Done(thread_id, moved=True)`. A
+        Start returned is not begun: run it after `begin()`, or report `moved` and the
+        engine starts it as usual. An error here is raised by the engine, not the runner.
+        """
+        r, t = self.resumer, self.thread
+        if done.undo is None or done.step is not self.step or r.error is not None:
+            raise WorkflowdError("Start.then: only for the lone step this Start made, once")
+        try:
+            # What the engine's loop does for a finished step and the thread it resumes.
+            r.stepped(t)
+            r.tick(t)
+            r.advance(t)
+            step = r.ready.get(t.id)
+            if step is None or not r.alone(t):
+                return None
+            return Start(r, t, step)
+        except Exception as e:  # noqa: BLE001 - raised by the engine once it has the thread back
+            r.error = e
+            return None
+
+    def begin(self) -> bool:
+        """Take the step as started (a transition) before running it; False: do not run it.
+
+        False when the workflow ran out of transitions: the engine raises that error.
+        """
+        r = self.resumer
+        try:
+            r.tick(self.thread)
+        except Exception as e:  # noqa: BLE001 - raised by the engine once it has the thread back
+            r.error = e
+            return False
+        r.ready.pop(self.thread.id, None)
+        return True
 
 
 def _ignore_conflict(path: str, step: str, thread_id: str) -> None:
@@ -275,6 +334,8 @@ class _Resumer:
         self.ready: dict[str, Step] = {}
         self.cases: dict[str, On] = {}
         self.budget = MAX_TRANSITIONS
+        #: What went wrong in `Start.then`, on the runner's thread: raised on the engine's.
+        self.error: Exception | None = None
 
     @property
     def defn(self) -> Definition:
@@ -311,6 +372,14 @@ class _Resumer:
             if t.status in RUNNABLE and t.id not in flight and t.id not in held:
                 return t
         return None
+
+    def alone(self, t: Thread) -> bool:
+        """Tell whether every thread but `t` waits for an event (nothing else for the engine)."""
+        # A loop, not all() over a generator: this runs after every step of a chain.
+        for o in self.state.threads:  # noqa: SIM110
+            if o is not t and o.status is not _WAITING_EVENT:
+                return False
+        return True
 
     def step_of(self, t: Thread) -> Step:
         step = self.ready.pop(t.id, None) or self.defn.get(t.cur_step, Step)
@@ -441,7 +510,7 @@ async def resume(
         if t is not None:
             r.tick(t)
             if t.status is _EXECUTING:
-                runner.start(t.id, partial(fork, wf, r.step_of(t)))
+                runner.start(t.id, Start(r, t, r.step_of(t)))
                 flight.add(t.id)
                 started = True
             else:
@@ -459,6 +528,11 @@ async def resume(
             flight.discard(done.thread_id)
             if done.failure is not None:
                 raise done.failure
+            if r.error is not None:
+                raise r.error
+            if done.moved:  # stepped (and advanced) by the runner: see Start.then
+                stepped = True
+                continue
             t = state.thread(done.thread_id)
             if done.fork is None or t is None:
                 held.add(done.thread_id)

@@ -7,6 +7,7 @@ import sqlite3
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import anyio
@@ -85,6 +86,8 @@ class Actor:
     #: Inbox events applied (or rejected) in memory since the last save.
     _unsaved: list[Item] = field(default_factory=list)
     _io_failures: int = 0
+    #: The workflow in memory was moved on by a chain given up on: read it back first.
+    _stale: bool = False
     _workflow: str = ""
     #: Another daemon took the workflow's lease (a shared store): nothing more is written.
     _lost: bool = False
@@ -164,6 +167,12 @@ class Actor:
 
     async def _loop(self, loaded: Loaded) -> None:
         while not self._stop:
+            if self._stale:
+                # A cancel gave up a chain of steps after its worker thread had moved the
+                # state on: what the cancel checks is the durable state, not that.
+                self._stale = False
+                loaded = await self._guard(self._refresh, loaded)
+                continue
             if self._cancelling:
                 loaded = await self._guard(self._cancel, loaded)
                 continue
@@ -267,6 +276,8 @@ class Actor:
         # Taken now: steps still running note their history meanwhile, for the next save.
         history, self._history = self._history, []
         items, self._unsaved = self._unsaved, []
+        # Steps run in a chain (see StepPool) since the last one are checkpointed by this one.
+        chained = self.pool.take_chained() if self.pool is not None else 0
         return Save(
             status=loaded.state.status.value,
             data=loaded.wf.to_json(),
@@ -276,6 +287,7 @@ class Actor:
             next_run_at=loaded.next_run_at,
             history=history,
             items=items,
+            count=1 + chained,
         )
 
     async def _write(self, save: Save) -> None:
@@ -299,6 +311,12 @@ class Actor:
         """Save the workflow and return once it is durable, with every checkpoint before it."""
         await self._pipeline.put(self._take(loaded))
         await self._pipeline.flush()
+
+    async def _put(self, loaded: Loaded) -> None:
+        await self._pipeline.put(self._take(loaded))
+
+    async def _refresh(self, loaded: Loaded) -> None:
+        await self._reload()
 
     async def _flush(self) -> None:
         await self._pipeline.flush()
@@ -342,6 +360,8 @@ class Actor:
                     attempts=attempts,
                     observe=self._observe_step,
                     durable=self._flush,
+                    room=self._pipeline.room,
+                    save=partial(self._put, loaded),
                 ) as self.pool:
                     if self._stop:  # shutdown began while this resume was being set up
                         self.pool.stop()
@@ -358,6 +378,7 @@ class Actor:
                 await self._fail(await self._reload(), str(e))
                 return
             finally:
+                self._stale = self._stale or (self.pool is not None and self.pool.stale)
                 self.pool = None
         self._scope = None
         if self._cancelling or self._lost:

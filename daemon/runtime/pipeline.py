@@ -75,6 +75,10 @@ class Pipeline:
         #: Resolved when the queued write goes in flight (or the pipeline ends or fails).
         self._taken: asyncio.Future[None] | None = None
 
+    def room(self) -> int:
+        """Return how many more checkpoints may queue before `put` waits for a commit."""
+        return self._ahead - 1 - (self._queued.count if self._queued is not None else 0)
+
     @property
     def idle(self) -> bool:
         """Tell whether nothing is queued or being written."""
@@ -111,6 +115,8 @@ class Pipeline:
 
     async def settle(self) -> None:
         """Wait for the write in flight, whatever its outcome (before reading the store back)."""
+        if self._task is None:
+            return  # nothing in flight: no shielded scope to make (once per actor)
         with anyio.CancelScope(shield=True):
             while self._task is not None:
                 await asyncio.wait([self._task])

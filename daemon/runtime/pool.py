@@ -14,12 +14,20 @@ import structlog
 
 from daemon.clock import Clock
 from daemon.core.command import Run
-from daemon.core.engine import Done
+from daemon.core.engine import Done, Start
 from daemon.core.merge import Fork
-from daemon.core.statements import NonRetryableError, Retry
+from daemon.core.statements import NonRetryableError, Retry, Step
 from daemon.errors import StepFailed
 from daemon.runtime.settings import Settings
-from daemon.runtime.steps import Note, StepRun, run_step
+from daemon.runtime.steps import (
+    CHAIN_S,
+    Chain,
+    Note,
+    StepRun,
+    chain_kind,
+    run_chain,
+    run_step,
+)
 
 log = structlog.get_logger()
 #: Records a retry that is due: its history entry, attempt, error and when it runs again.
@@ -33,7 +41,9 @@ class StepPool:
 
     A failing step is retried with backoff in its own task, against a fresh fork, while the
     other threads' steps go on; one that fails for good is handed to the engine, which fails
-    the workflow, and leaving the pool cancels the rest (sync steps are abandoned). Use it as
+    the workflow, and leaving the pool cancels the rest (sync steps are abandoned). A step
+    alone in flight may run the thread's next quick steps with it, as a chain (see Chain and
+    Start.then), when the pool is given `room`. Use it as
     `async with StepPool(...) as pool: await resume(..., steps=pool)`.
     """
 
@@ -48,8 +58,24 @@ class StepPool:
         attempts: dict[str, int] | None = None,
         observe: Observe | None = None,
         durable: Callable[[], Awaitable[None]] | None = None,
+        room: Callable[[], int] | None = None,
+        save: Callable[[], Awaitable[None]] | None = None,
+        chain_s: float = CHAIN_S,
     ) -> None:
         self._limiter, self._clock, self._settings = limiter, clock, settings
+        #: How many more checkpoints the workflow's pipeline may take before one waits for a
+        #: commit: a lone thread's steps run as a chain (see Chain), at most that many after
+        #: the first. None: each step is handed back to the engine on its own.
+        self._room = room
+        #: Puts a checkpoint of the workflow as it is now (after a chain's failed step).
+        self._save = save
+        self._chain_s = chain_s
+        #: Steps run in chains since `take_chained` was last called (their checkpoints are
+        #: taken together, with the next one).
+        self._chained = 0
+        #: A chain was given up on (a cancel) after it had moved the workflow's state on in
+        #: its thread: the state in memory is no longer one the engine saw; read it back.
+        self.stale = False
         self._observe = observe
         #: Returns once the workflow's checkpoints so far are durable (see `stepping`).
         self._durable = durable
@@ -63,8 +89,9 @@ class StepPool:
         self._pending: list[tuple[str, Callable[..., Fork]]] = []
         self._done: list[Done] = []
         self._error: BaseException | None = None
-        # asyncio's event, not anyio's: one is made per wait, and anyio's costs a lookup.
-        self._wake = asyncio.Event()
+        # asyncio's event, not anyio's: one is made per wait, and anyio's costs a lookup. Made
+        # when first waited for: most resumes run no step, or one alone, and never wait.
+        self._wake: asyncio.Event | None = None
         #: Steps between their first attempt and their end (retry waits included).
         self._flight = 0
         self._stopping = False
@@ -107,6 +134,11 @@ class StepPool:
         """Tell whether steps are about to run or running (their checkpoints may pipeline)."""
         return bool(self._pending) or self._flight > 0
 
+    def take_chained(self) -> int:
+        """Return how many steps chains ran after their first since the last call, and reset."""
+        n, self._chained = self._chained, 0
+        return n
+
     def stop(self) -> None:
         """Start no more steps, and end the retry waits (shutdown); running steps go on."""
         self._stopping = True
@@ -144,6 +176,8 @@ class StepPool:
                 self._tg.start_soon(self._run, thread_id, make_fork)
             self._pending.clear()
         while not self._done and self._error is None:
+            if self._wake is None:
+                self._wake = asyncio.Event()
             self._wake.clear()
             await self._wake.wait()
         if self._error is not None:
@@ -154,22 +188,38 @@ class StepPool:
     async def _handed(self, done: list[Done]) -> list[Done]:
         # A step not run (stopping) lets the engine set up waits next, which tell the outside:
         # what ran before is made durable first.
-        if self._durable is not None and any(d.fork is None and d.failure is None for d in done):
+        if self._durable is not None and any(
+            d.fork is None and d.failure is None and not d.moved for d in done
+        ):
             await self._durable()
         return done
 
     def _report(self, done: Done) -> None:
         self._done.append(done)
-        self._wake.set()
+        if self._wake is not None:
+            self._wake.set()
 
     async def _run(self, thread_id: str, make_fork: Callable[..., Fork]) -> None:
         try:
             self._report(await self._attempts_of(thread_id, make_fork))
         except Exception as e:  # noqa: BLE001 - e.g. the retry not stored: the engine raises it
             self._error = e
-            self._wake.set()
+            if self._wake is not None:
+                self._wake.set()
         finally:
             self._tasks -= 1
+
+    def _chain_room(self, step: Step, make_fork: Callable[..., Fork], alone: bool) -> int | None:
+        """Return how many steps may follow `step` in a chain; None: it runs on its own."""
+        if self._room is None or not alone or not isinstance(make_fork, Start):
+            return None
+        if chain_kind(step) is None:
+            return None
+        return max(0, self._room())
+
+    def _observed(self, step: str, seconds: float) -> None:
+        if self._observe is not None:
+            self._observe(step, "done", seconds)
 
     async def _attempts_of(
         self, thread_id: str, make_fork: Callable[..., Fork], *, alone: bool = False
@@ -192,10 +242,38 @@ class StepPool:
             def note(kind: str, detail: dict[str, Any]) -> None:
                 self._note(kind, {**detail, "thread": thread_id})
 
+            chain: Chain | None = None
             try:
                 if isinstance(step, Run) and self._durable is not None:
                     await self._durable()  # a command is seen outside: what led to it is saved
-                await run_step(step, limiter=self._limiter, note=note, run=run, data=f.copy)
+                room = self._chain_room(step, make_fork, alone)
+                if room is None:
+                    await run_step(step, limiter=self._limiter, note=note, run=run, data=f.copy)
+                else:
+                    assert isinstance(make_fork, Start)
+                    chain = Chain(
+                        make_fork, f, room, lambda: not self._stopping, budget_s=self._chain_s
+                    )
+                    try:
+                        await run_chain(
+                            chain,
+                            limiter=self._limiter,
+                            note=note,
+                            running=self.running,
+                            thread_id=thread_id,
+                            observe=self._observed,
+                        )
+                    finally:
+                        self.stale = self.stale or chain.stale
+                        # Whatever ran last is this attempt's step: a retry runs that one.
+                        make_fork, f, step = chain.start, chain.fork, chain.fork.step
+                        run = self.running[thread_id]
+                        if chain.stepped:
+                            attempt = 0
+                            self._chained += chain.stepped - chain.moved
+                    if chain.moved:
+                        outcome = "done"
+                        return Done(thread_id, moved=True)
                 f.finish()
                 outcome = "done"
                 return Done(thread_id, f)
@@ -207,6 +285,11 @@ class StepPool:
                 del self.running[thread_id]
                 if self._observe is not None:
                     self._observe(step.name, outcome, time.monotonic() - run.began)
+            if chain is not None and chain.stepped and self._save is not None:
+                # The chain's earlier steps are checkpointed (as they would have been one by
+                # one) before the failure is stored or fails the workflow.
+                self._chained -= 1
+                await self._save()
             attempt += 1
             policy = step.retry or Retry()
             limit = policy.max_attempts

@@ -17,6 +17,8 @@ import anyio
 import structlog
 
 from daemon.core.command import Run
+from daemon.core.engine import Start
+from daemon.core.merge import Fork
 from daemon.core.statements import NonRetryableError, Step
 from daemon.runtime.commands import run_command
 from daemon.runtime.workers import Workers
@@ -93,6 +95,11 @@ class _Call:
         #: When a worker thread began it (time.monotonic()); its timeout counts from then.
         self.began: float | None = None
 
+    @property
+    def abandoned(self) -> bool:
+        """Tell whether the daemon gave up on it."""
+        return self._abandoned
+
     def __call__(self) -> object:
         with self._lock:
             if self._abandoned:  # given up on before a thread took it
@@ -159,6 +166,189 @@ async def run_step(
     ms = round((time.perf_counter() - started) * 1000, 3)
     log.info("step_done", step=step.name, duration_ms=ms)
     note("step_done", {"step": step.name, "duration_ms": ms})
+
+
+#: Where a chain runs: sync steps in a worker thread, async and inline ones on the loop.
+THREAD, LOOP = "thread", "loop"
+#: How long a chain may run before it hands its steps back to be checkpointed: quick steps
+#: share a hand-off and a checkpoint, a slow step's checkpoint is not delayed by the next
+#: step (and a chain on the loop holds it no longer than this).
+CHAIN_S = 0.001
+
+
+def chain_kind(step: Step) -> str | None:
+    """Return where a step may run in a chain (THREAD or LOOP); None: only on its own.
+
+    Not a command (Run) nor a step with a timeout: these are run by run_step.
+    """
+    if isinstance(step, Run) or step.timeout:
+        return None
+    return LOOP if step.inline or _is_async(step.action) else THREAD
+
+
+@dataclass(slots=True, eq=False)
+class Chain:
+    """A thread's steps run back to back, with no hand-back to the engine (see Start.then).
+
+    It begins with one step (`start`, `fork`); after each step that finished, while it has
+    `room`, has run for less than `budget_s` and `going()` holds, the engine is run on to the
+    thread's next step, and that one
+    runs too if it chains the same way (chain_kind): sync steps in one worker thread, async
+    and inline ones on the loop. At its end `start` and `fork` are the last step's:
+    finished, or failed (the error is raised), or the thread `moved` on.
+    """
+
+    start: Start
+    fork: Fork
+    #: How many more steps it may run after the first.
+    room: int
+    #: Whether it may go on to a next step (False once the pool stops).
+    going: Callable[[], bool]
+    #: The steps that finished, in order, each with its StepRun and seconds.
+    done: list[tuple[StepRun, float]] = field(default_factory=list)
+    #: Steps the engine moved the thread past, in the worker thread (Start.then).
+    stepped: int = 0
+    #: The engine moved the thread on past the last step (see Done.moved).
+    moved: bool = False
+    #: Given up on (a cancel) after it moved the thread on: the engine never saw that.
+    stale: bool = False
+    #: What the last step's sync action returned to be awaited on the loop, if anything.
+    pending: Awaitable[Any] | None = None
+    #: How long it may go on to next steps after its first began (CHAIN_S by default).
+    budget_s: float = CHAIN_S
+    #: When (time.perf_counter()) it stops going on to next steps.
+    until: float = 0.0
+
+
+async def run_chain(
+    chain: Chain,
+    *,
+    limiter: anyio.CapacityLimiter,
+    note: Note,
+    running: dict[str, StepRun],
+    thread_id: str,
+    observe: Callable[[str, float], None] | None = None,
+    abandoned: Abandoned = ABANDONED,
+    workers: Workers = WORKERS,
+) -> None:
+    """Run a chain of steps; raise what its last step raised.
+
+    Sync steps run in one worker thread and slot: one thread hand-off for the whole chain
+    instead of one per step. `running[thread_id]` is the StepRun of the step running now
+    (for `show`). Each step that finished is logged as `step_done` and noted, as run_step
+    does (a thread's chain once it is back); `observe` is told of each but the last (its
+    caller reports that one). A cancel abandons the thread, as for one step, and the chain
+    stops before its next step.
+    """
+    if chain_kind(chain.fork.step) == LOOP:
+        try:
+            await _chain_here(chain, running, thread_id)
+        except Exception:
+            _chain_done(chain, note, running[thread_id], observe)
+            raise
+        _chain_done(chain, note, running[thread_id], observe)
+        return
+    run = running[thread_id]
+    run.queued_since = time.time()
+    call: _Call
+
+    def body() -> object:
+        _chain(chain, call, running, thread_id)
+        return None
+
+    call = _Call(body, abandoned, run)
+    job = workers.submit(call, limiter.total_tokens)
+    try:
+        await job.future
+    except Exception:
+        _chain_done(chain, note, running[thread_id], observe)
+        raise
+    except BaseException:
+        if call.abandon():
+            _report(chain.fork.step, note, "cancelled", abandoned)
+        # From here on the thread moves the state no more (see _chain).
+        chain.stale = chain.stepped > 0
+        workers.forget(job)
+        raise
+    workers.forget(job)
+    last = running[thread_id]
+    if chain.pending is not None:
+        _chain_done(chain, note, last, observe)
+        chain.done = []
+        await chain.pending
+        chain.done.append((last, time.monotonic() - last.began))
+    _chain_done(chain, note, last, observe)
+
+
+def _chain(chain: Chain, call: _Call, running: dict[str, StepRun], thread_id: str) -> None:
+    """Run the chain's steps, in the worker thread; a step's exception ends it (and is raised)."""
+    run = running[thread_id]
+    chain.until = time.perf_counter() + chain.budget_s
+    while True:
+        began = time.perf_counter()
+        result = chain.fork.step.action()
+        if inspect.isawaitable(result):
+            chain.pending = result
+            return
+        ended = time.perf_counter()
+        chain.done.append((run, ended - began))
+        if chain.room <= 0 or ended >= chain.until or not chain.going():
+            return
+        # Under the call's lock: once the loop has given the chain up (and reads the state
+        # again), it moves the workflow's state no more.
+        with call._lock:
+            if call.abandoned:
+                return
+            nxt = chain.start.then(chain.fork)
+            chain.stepped += 1
+            if nxt is None or chain_kind(nxt.step) != THREAD or not nxt.begin():
+                chain.moved = True  # then() moved the thread past the step that finished
+                return
+        chain.room -= 1
+        chain.start, chain.fork = nxt, nxt(alone=True)
+        run = StepRun(nxt.step.name)
+        run.running_since = run.since
+        running[thread_id] = run
+
+
+async def _chain_here(chain: Chain, running: dict[str, StepRun], thread_id: str) -> None:
+    """Run the chain's async and inline steps on the loop, as run_step runs one."""
+    run = running[thread_id]
+    chain.until = time.perf_counter() + chain.budget_s
+    while True:
+        action = chain.fork.step.action
+        run.running_since = time.time()
+        began = time.perf_counter()
+        if _is_async(action):
+            await action()
+        else:
+            result = action()
+            if inspect.isawaitable(result):
+                await result
+        ended = time.perf_counter()
+        chain.done.append((run, ended - began))
+        if chain.room <= 0 or ended >= chain.until or not chain.going():
+            return
+        nxt = chain.start.then(chain.fork)
+        chain.stepped += 1
+        if nxt is None or chain_kind(nxt.step) != LOOP or not nxt.begin():
+            chain.moved = True
+            return
+        chain.room -= 1
+        chain.start, chain.fork = nxt, nxt(alone=True)
+        run = running[thread_id] = StepRun(nxt.step.name)
+
+
+def _chain_done(
+    chain: Chain, note: Note, last: StepRun, observe: Callable[[str, float], None] | None
+) -> None:
+    info = log.info  # looked up once (through structlog's lazy proxy) for the whole chain
+    for run, seconds in chain.done:
+        ms = round(seconds * 1000, 3)
+        info("step_done", step=run.step, duration_ms=ms)
+        note("step_done", {"step": run.step, "duration_ms": ms})
+        if observe is not None and run is not last:
+            observe(run.step, seconds)
 
 
 def _store_into(data: object, field: str, value: dict[str, Any]) -> None:

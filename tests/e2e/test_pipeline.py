@@ -9,6 +9,7 @@ answers no send, and the workflow goes back to its durable state).
 from __future__ import annotations
 
 import json
+import signal
 import sqlite3
 import time
 from collections import Counter
@@ -156,3 +157,51 @@ class TestFailingWrite:
         assert isinstance(durable_i, int)
         check_runs(runs(log), n, durable_i)
         check_ticks(d, shown, ticks)
+
+
+class TestRunsOfSyncSteps:
+    """A workflow's sync steps run back to back in one worker thread, with the same promises."""
+
+    async def test_a_stop_finishes_the_running_step_and_starts_no_next(
+        self, tmp_path: Path
+    ) -> None:
+        """SIGTERM amid a run of sync steps: the running one ends and is durable, no step after
+        it runs, and after a restart every step has run exactly once."""
+        log, gate, db, n = tmp_path / "steps.log", tmp_path / "gate", tmp_path / "wd.db", 200
+        input = {"n": n, "log": str(log), "gate": str(gate), "gate_at": 50}
+        async with running_daemon(tmp_path, MODULES, store={"synchronous": "full"}) as d:
+            async with d.client() as c:
+                await c.call("start", workflow="GatedRun", workflow_id="g", input=input)
+            entered = tmp_path / "steps.log.entered"
+            await until(entered.exists, limit_s=30)
+            assert d.proc is not None
+            d.proc.send_signal(signal.SIGTERM)
+            await logged(d, "daemon_stopping", limit_s=30)
+            gate.touch()
+            proc = d.proc
+            await until(lambda: proc.poll() is not None, limit_s=30)
+            assert proc.returncode == 0
+            assert durable(db, "g")["i"] == 51
+            assert runs(log) == Counter(range(51))
+            await d.start()
+            async with d.client() as c:
+                await wait_status(c, "g", "Finished", limit_s=60)
+        assert runs(log) == Counter(range(n))
+
+    async def test_a_failed_step_finds_the_steps_before_it_durable(self, tmp_path: Path) -> None:
+        """When a step fails after a run of steps, their checkpoint commits before its failure
+        is stored; its retry then goes on from there."""
+        log, n = tmp_path / "steps.log", 100
+        input = {"n": n, "log": str(log), "fail_at": 40}
+        store = {"synchronous": "full"}
+        async with running_daemon(tmp_path, MODULES, store=store) as d, d.client() as c:
+            await c.call("start", workflow="GatedRun", workflow_id="f", input=input)
+            shown = await wait_status(c, "f", "Finished", limit_s=60)
+            history = await c.call("history", workflow_id="f")
+        kinds = [e["kind"] for e in history]
+        # The failure is stored after the 40 steps before it, and the retry's step after it.
+        assert kinds.index("step_failed") == kinds.index("started") + 41, kinds[:50]
+        assert kinds.count("step_done") == n and kinds.count("step_failed") == 1
+        assert next(e for e in history if e["kind"] == "step_failed")["attempt"] == 1
+        assert shown["data"]["i"] == n
+        assert runs(log) == Counter(range(n))

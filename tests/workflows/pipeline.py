@@ -8,6 +8,8 @@ was applied, once and in order, across a kill or a failing write.
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass, field
 
 from daemon import For, If, On, S, Section, Step, Wait, Workflow
@@ -43,3 +45,34 @@ class PipeTicker(Workflow):
                 If(due, "due", Wait("ticked", On("tick", Signal(self.tick)))),
             )
         )
+
+
+@dataclass
+class GatedRun(Workflow):
+    """Runs `n` sync steps, logging each index to `log`; step `gate_at` waits for `gate` (a file)
+    to exist, and step `fail_at` fails once (it leaves the file `failed` behind)."""
+
+    n: int = 100
+    log: str = ""
+    gate: str = ""
+    gate_at: int = -1
+    fail_at: int = -1
+    i: int = 0
+
+    def work(self) -> None:
+        if self.i == self.fail_at and not os.path.exists(f"{self.log}.failed"):
+            with open(f"{self.log}.failed", "w"):
+                pass
+            self.i = -1  # undone with the failed attempt
+            raise RuntimeError(f"step {self.fail_at} fails once")
+        if self.i == self.gate_at:
+            with open(f"{self.log}.entered", "w"):
+                pass
+            while not os.path.exists(self.gate):
+                time.sleep(0.005)
+        with open(self.log, "a") as f:
+            f.write(f"{self.i}\n")
+        self.i += 1
+
+    def definition(self) -> Section:
+        return S(For("steps", self.i < self.n, Step("work", self.work)))

@@ -45,7 +45,7 @@ from daemon import (
     resume,
     validate,
 )
-from daemon.core.engine import Done, call_action
+from daemon.core.engine import Done, Start, call_action
 from daemon.core.merge import Fork
 from tests.helpers.support import Driver, Recorder
 
@@ -681,3 +681,69 @@ class TestDefinitionToDict:
         branches = definition_to_dict(Loops().definition())["children"][0]["children"][1]
         assert branches["type"] == "if"
         assert branches["branches"][0]["children"] == [{"type": "continue"}]
+
+
+class Chaining:
+    """A Steps that runs each lone step and, through `Start.then`, the thread's next ones."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple[str, Start]] = []
+        self.chained = 0
+
+    def start(self, thread_id: str, make_fork: Callable[..., Fork]) -> None:
+        assert isinstance(make_fork, Start)
+        self.started.append((thread_id, make_fork))
+
+    async def next(self) -> list[Done]:
+        thread_id, start = self.started.pop(0)
+        while True:
+            f = start(alone=True)
+            await call_action(f.step.action)
+            nxt = start.then(f)
+            if nxt is None or not nxt.begin():
+                return [Done(thread_id, moved=True)]
+            self.chained += 1
+            start = nxt
+
+
+@dataclass
+class Counted(Workflow):
+    """Counts to `n` in sync steps, then waits for `go`, then counts once more."""
+
+    n: int = 5
+    i: int = 0
+
+    def inc(self) -> None:
+        self.i += 1
+
+    def definition(self) -> Section:
+        return S(
+            For("loop", self.i < self.n, Step("inc", self.inc)),
+            Wait("w", On("go", Recorder())),
+            Step("last", self.inc),
+        )
+
+
+class TestStartThen:
+    async def test_a_runner_may_run_a_threads_steps_on_by_itself(self) -> None:
+        """A runner that moves the thread on itself ends where the engine's loop would."""
+        wf, state, kinds = Counted(), State.new("c", "Counted"), []
+
+        async def save(kind: CheckpointType) -> None:
+            kinds.append(kind)
+
+        runner = Chaining()
+        await resume(wf, state, save, steps=runner)
+        assert wf.i == 5 and runner.chained == 4
+        t = state.thread(MAIN_THREAD)
+        assert t is not None and (t.status, t.cur_step) == (ThreadStatus.WAITING_EVENT, "w")
+        assert kinds.count(CheckpointType.AFTER_STEP) == 1
+
+    async def test_a_runaway_in_then_is_raised_by_the_engine(self) -> None:
+        """Transitions made through `then` count: an endless loop of steps is still caught."""
+        with pytest.raises(RunawayWorkflow):
+            await resume(Counted(n=10**9), State.new("c", "Counted"), _no_save, steps=Chaining())
+
+
+async def _no_save(kind: CheckpointType) -> None:
+    return None

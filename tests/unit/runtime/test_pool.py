@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -9,13 +11,14 @@ from typing import Any
 import anyio
 import pytest
 
-from daemon import Go, S, Section, State, Step, WaitFor, Workflow, WorkflowStatus, resume
+from daemon import For, Go, S, Section, State, Step, WaitFor, Workflow, WorkflowStatus, resume
 from daemon.clock import FakeClock
 from daemon.core.merge import fork
 from daemon.core.state import CheckpointType
 from daemon.errors import StepFailed
 from daemon.runtime.pool import StepPool
 from daemon.runtime.settings import Settings
+from daemon.runtime.steps import ABANDONED
 from tests.helpers.wait import until
 
 
@@ -178,3 +181,197 @@ class TestStoppedPool:
 
 async def _no_retry(detail: dict[str, Any], attempt: int, error: str, due: float) -> None:
     raise AssertionError("no retry expected")
+
+
+@dataclass
+class Counter(Workflow):
+    """Runs `n` sync steps; step `fail_at` fails once; step `block_at` waits for `gate`."""
+
+    n: int = 10
+    i: int = 0
+    fail_at: int = -1
+    block_at: int = -1
+    failed: bool = False
+    delay_s: float = 0.0
+
+    def inc(self) -> None:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if self.i == self.fail_at and not _FAILED.get(id(self)):
+            _FAILED[id(self)] = True
+            self.i = -100  # undone with the failed attempt
+            raise RuntimeError("once")
+        if self.i == self.block_at:
+            _GATE.entered.set()
+            _GATE.open.wait(10)
+        _THREADS.append(threading.get_ident())
+        self.i += 1
+
+    def definition(self) -> Section:
+        return S(For("loop", self.i < self.n, Step("inc", self.inc)))
+
+
+class _Gate:
+    def __init__(self) -> None:
+        self.entered, self.open = threading.Event(), threading.Event()
+
+
+_GATE = _Gate()
+_FAILED: dict[int, bool] = {}
+_THREADS: list[int] = []
+
+
+class Chained(Run):
+    """Drives `resume` with a pool that chains, recording each checkpoint's data and count."""
+
+    def __init__(
+        self, wf: Counter | AsyncCounter, clock: FakeClock, room: int, chain_s: float = 60.0
+    ) -> None:
+        super().__init__(wf, clock)
+        self.room, self.chain_s = room, chain_s
+        #: (kind, wf.i, checkpoints it stands for) for each checkpoint, the pool's own too.
+        self.taken: list[tuple[str, int, int]] = []
+
+    def take(self, kind: str) -> None:
+        assert isinstance(self.wf, Counter | AsyncCounter) and self.pool is not None
+        self.taken.append((kind, self.wf.i, 1 + self.pool.take_chained()))
+
+    async def checkpoint(self, kind: CheckpointType) -> None:
+        self.saves.append(kind)
+        if kind in (CheckpointType.AFTER_STEP, CheckpointType.STEPS_STARTED):
+            self.take(kind.value)
+
+    async def save(self) -> None:
+        self.take("pool")
+
+    async def resume(self, settings: Settings) -> None:
+        async with StepPool(
+            limiter=anyio.CapacityLimiter(4),
+            clock=self.clock,
+            settings=settings,
+            note=self.note,
+            on_retry=self.on_retry,
+            room=lambda: self.room,
+            save=self.save,
+            chain_s=self.chain_s,
+        ) as self.pool:
+            await resume(self.wf, self.state, self.checkpoint, steps=self.pool)
+
+
+class TestChain:
+    async def test_sync_steps_run_back_to_back_in_one_worker_thread(self) -> None:
+        """A lone thread's sync steps are not handed back one by one: a checkpoint stands for
+        each run of them, as many as the pipeline has room for, and each is noted done."""
+        _THREADS.clear()
+        run = Chained(Counter(n=100), FakeClock(), room=31)
+        with anyio.fail_after(10):
+            await run.resume(Settings())
+        assert run.state.status is WorkflowStatus.FINISHED
+        assert isinstance(run.wf, Counter) and run.wf.i == 100
+        assert run.notes.count("step_done") == 100
+        assert len(set(_THREADS)) == 1 and _THREADS[0] != threading.get_ident()
+        steps = [(i, count) for kind, i, count in run.taken if kind == "afterStep"]
+        assert len(steps) < 10
+        # Each checkpoint stands for the steps since the one before, at most 32 of them.
+        before = 0
+        for i, count in steps:
+            assert 0 < i - before == count <= 32
+            before = i
+        assert before == 100
+
+    async def test_a_slow_step_ends_the_chain(self) -> None:
+        """Past the chain's time budget a step is handed back, to be checkpointed at once:
+        a slow step's checkpoint never waits for the steps after it."""
+        run = Chained(Counter(n=5, delay_s=0.002), FakeClock(), room=31, chain_s=0.001)
+        with anyio.fail_after(10):
+            await run.resume(Settings())
+        counts = [count for kind, _, count in run.taken if kind == "afterStep"]
+        assert counts == [1, 1, 1, 1, 1]
+
+    async def test_room_bounds_a_chain(self) -> None:
+        """With room for 2 more checkpoints, no checkpoint stands for more than 3 steps."""
+        run = Chained(Counter(n=10), FakeClock(), room=2)
+        with anyio.fail_after(10):
+            await run.resume(Settings())
+        counts = [count for kind, _, count in run.taken if kind == "afterStep"]
+        assert sum(counts) == 10 and max(counts) == 3
+
+    async def test_a_chained_step_that_fails_is_retried_after_a_checkpoint(self) -> None:
+        """The steps before the failing one are checkpointed before its failure is stored;
+        its changes are undone, and its retry (attempt 1 of its own) goes on from there."""
+        _FAILED.clear()
+        clock = FakeClock()
+        run = Chained(Counter(n=10, fail_at=4), clock, room=31)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run.resume, Settings(retry_initial_s=5))
+            with anyio.fail_after(10):
+                await until(lambda: len(run.retries) >= 1)
+                assert run.taken[-1] == ("pool", 4, 4)
+                clock.advance(5)
+        assert [r["attempt"] for r in run.retries] == [1]
+        assert isinstance(run.wf, Counter) and run.wf.i == 10
+        assert run.notes.count("step_done") == 10
+        assert sum(count for kind, _, count in run.taken if kind != "stepsStarted") == 10
+
+    async def test_a_stop_ends_the_chain_after_the_running_step(self) -> None:
+        """A stop (shutdown) lets the running step finish and starts no next one."""
+        _GATE.__init__()  # type: ignore[misc] # a fresh gate for this test
+        run = Chained(Counter(n=10, block_at=3), FakeClock(), room=31)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run.resume, Settings())
+            with anyio.fail_after(10):
+                await anyio.to_thread.run_sync(_GATE.entered.wait, 10)
+                assert run.pool is not None
+                assert [r.step for r in run.pool.running.values()] == ["inc"]
+                run.pool.stop()
+                _GATE.open.set()
+        assert isinstance(run.wf, Counter) and run.wf.i == 4
+        thread = run.state.thread("_main_")
+        assert thread is not None and (thread.status, thread.cur_step) == ("Executing", "inc")
+        assert run.state.status is WorkflowStatus.RESUMING
+        assert sum(count for kind, _, count in run.taken if kind != "stepsStarted") == 4
+
+    async def test_a_cancel_abandons_the_chain(self) -> None:
+        """Cancelled, the chain's thread is given up on: it finishes its step and moves the
+        workflow's state no further."""
+        _GATE.__init__()  # type: ignore[misc] # a fresh gate for this test
+        run = Chained(Counter(n=10, block_at=3), FakeClock(), room=31)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run.resume, Settings())
+                await anyio.to_thread.run_sync(_GATE.entered.wait, 10)
+                pc = run.state.pc
+                tg.cancel_scope.cancel()
+            ended = ABANDONED.total - ABANDONED.running
+            _GATE.open.set()
+            await until(lambda: ABANDONED.total - ABANDONED.running > ended)
+        assert isinstance(run.wf, Counter) and run.wf.i == 4  # the step ran to its end
+        assert run.state.pc == pc
+        # The chain had moved the state past steps the engine never saw done: the actor
+        # reads the workflow back before it goes on (a cancel checks the durable state).
+        assert run.pool is not None and run.pool.stale
+
+    async def test_async_steps_chain_on_the_loop(self) -> None:
+        """A lone thread's async steps run one after another on the loop, with no checkpoint
+        each: one stands for every run of them the pipeline has room for."""
+        run = Chained(AsyncCounter(n=20), FakeClock(), room=9)
+        with anyio.fail_after(10):
+            await run.resume(Settings())
+        assert isinstance(run.wf, AsyncCounter) and run.wf.i == 20
+        assert run.notes.count("step_done") == 20
+        counts = [count for kind, _, count in run.taken if kind == "afterStep"]
+        assert counts == [10, 10]
+
+
+@dataclass
+class AsyncCounter(Workflow):
+    """Runs `n` async steps."""
+
+    n: int = 10
+    i: int = 0
+
+    async def inc(self) -> None:
+        self.i += 1
+
+    def definition(self) -> Section:
+        return S(For("loop", self.i < self.n, Step("inc", self.inc)))
