@@ -11,6 +11,8 @@ import anyio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.helpers.client import Client
+from tests.helpers.disk import hold_write_lock
 from tests.helpers.harness import running_daemon
 from tests.helpers.http import fetch
 from tests.helpers.wait import settled, wait_status
@@ -90,3 +92,37 @@ async def test_a_step_after_the_callback_does_not_hold_its_answer(short_tmp: Pat
         await anyio.Path(release).touch()
         shown = await wait_status(c, "g", "Finished")
         assert shown["data"] == {"release": str(release), "got": 7, "done": True}
+
+
+@pytest.mark.sqlite_only("locks the database file")
+async def test_a_send_whose_write_fails_is_answered_unavailable_and_not_applied(
+    short_tmp: Path,
+) -> None:
+    """The commit that would hold a callback fails: its sender hears `unavailable`, and the
+    event is dropped, not applied later behind the sender's back."""
+    async with running_daemon(short_tmp, MODULES) as d, d.client() as c:
+        await c.call("start", workflow="BumpCounter", workflow_id="t")
+        await wait_status(c, "t", "Waiting")
+        lock = await anyio.to_thread.run_sync(hold_write_lock, short_tmp / "wd.db")
+        try:
+            sent = await c.request("send", workflow_id="t", event="bump", input=5)
+            assert not sent["ok"] and sent["error"]["code"] == "unavailable", sent
+        finally:
+            lock.execute("ROLLBACK")
+            lock.close()
+        # Once the store works again, the next send is the first one applied.
+        assert await _sent(c) == 1
+        await settled(c)
+        assert (await c.call("show", workflow_id="t"))["data"]["count"] == 1
+        assert _data(short_tmp / "wd.db", "t")["count"] == 1
+
+
+async def _sent(c: Client, limit_s: float = 20) -> object:
+    """Send one `bump` until it is answered ok (the workflow may still be backing off)."""
+    with anyio.fail_after(limit_s):
+        while True:
+            sent = await c.request("send", workflow_id="t", event="bump", input=1)
+            if sent["ok"]:
+                return sent["result"]
+            assert sent["error"]["code"] == "unavailable", sent
+            await anyio.sleep(0.05)
