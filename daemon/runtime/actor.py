@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 import msgspec
 import structlog
-from structlog.contextvars import bound_contextvars
+from structlog.contextvars import bind_contextvars, reset_contextvars
 
 from daemon.clock import Clock
 from daemon.core.engine import handle_callback, resume
@@ -145,26 +145,27 @@ class Actor:
 
     async def run(self) -> None:
         """Process queued items and resume the workflow until it blocks."""
-        with bound_contextvars(workflow_id=self.workflow_id):
+        # Bound and reset by token: `bound_contextvars` reads every bound variable first, which
+        # cost ~6% of a callback to a waiting workflow (each one starts an actor).
+        bound = dict(bind_contextvars(workflow_id=self.workflow_id))
+        try:
             loaded = await self._load()
             if loaded is None:
                 return
             self._workflow = loaded.state.workflow
-            with bound_contextvars(workflow=loaded.state.workflow):
-                try:
-                    await self._loop(loaded)
-                finally:
-                    await self._pipeline.settle()
-                    # A write that failed with nobody left to see it: its senders hear so.
-                    _fail_replies(
-                        self._pipeline.undurable(), "callback not stored: its write failed"
-                    )
-                    # Inbox-backed items stay in the store and are recovered on restart (or
-                    # by the daemon that took the workflow over).
-                    gone = (
-                        "another daemon runs it now" if self._lost else "workflowd is shutting down"
-                    )
-                    self._reject_all(Unavailable(gone))
+            bound.update(bind_contextvars(workflow=loaded.state.workflow))
+            try:
+                await self._loop(loaded)
+            finally:
+                await self._pipeline.settle()
+                # A write that failed with nobody left to see it: its senders hear so.
+                _fail_replies(self._pipeline.undurable(), "callback not stored: its write failed")
+                # Inbox-backed items stay in the store and are recovered on restart (or by
+                # the daemon that took the workflow over).
+                gone = "another daemon runs it now" if self._lost else "workflowd is shutting down"
+                self._reject_all(Unavailable(gone))
+        finally:
+            reset_contextvars(**bound)
 
     async def _loop(self, loaded: Loaded) -> None:
         while not self._stop:
