@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import sqlite3
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -46,6 +47,8 @@ _DURABLE = (
 )
 _BROKEN = (EventStatus.SETUP_ERROR, EventStatus.TEARDOWN_ERROR)
 _EXECUTING = ThreadStatus.EXECUTING
+#: Answers that cannot change after they are given.
+_SCALARS = (type(None), bool, int, float, str, bytes)
 
 
 @dataclass(eq=False, kw_only=True)
@@ -544,7 +547,9 @@ class Actor:
             # so a step the resume starts never holds the answer back: it runs while the
             # write commits. If the write fails, `_back_off` answers `unavailable`.
             if item.reply is not None:
-                item.reply.keep(out)
+                # The answer as it is now: the resume runs before it is sent, and a handler
+                # may answer with part of the data (a list a step then appends to).
+                item.reply.keep(_frozen(out))
                 if item.inbox_id is None:
                     self._unsaved.append(item)
             elif self.metrics is not None:
@@ -629,6 +634,16 @@ def _unexpected(e: Exception) -> WorkflowdError:
 def _rides_along(item: Item, loaded: Loaded) -> bool:
     """Tell whether a callback's save may go in one commit with the resume it starts."""
     return loaded.state.status is WorkflowStatus.RESUMING and loaded.next_run_at is None
+
+
+def _frozen(value: Any) -> Any:
+    """Return a copy of `value` that later changes to the workflow's data cannot reach."""
+    if isinstance(value, _SCALARS):
+        return value
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - an object that cannot be copied is answered as it is
+        return value
 
 
 def _fail_replies(items: list[Item], why: str) -> None:
