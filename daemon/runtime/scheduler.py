@@ -69,7 +69,7 @@ class Scheduler:
         #: Told each workflow whose actor exited, with its status then: schedules wait on it.
         self.on_exit: Callable[[str, str | None], None] | None = None
         #: Tasks of the task group whose actor exited, each waiting to be handed the next one.
-        self._hosts: list[asyncio.Future[Actor | None]] = []
+        self._hosts: list[asyncio.Future[Actor]] = []
 
     def submit(self, workflow_id: str, item: Item) -> None:
         """Queue work for a workflow, starting its actor if it has none."""
@@ -114,14 +114,14 @@ class Scheduler:
                 return
         self._tg.start_soon(self._hosting, actor)
 
-    async def _hosting(self, first: Actor) -> None:
-        actor: Actor | None = first
+    async def _hosting(self, actor: Actor) -> None:
+        """Run `actor`, then wait to be handed the next one (cancelled with the task group)."""
         loop = asyncio.get_running_loop()
-        while actor is not None:
+        while True:
             await self._run(actor)
             if self.stopping or len(self._hosts) >= HOSTS_KEPT:
                 return
-            parked: asyncio.Future[Actor | None] = loop.create_future()
+            parked: asyncio.Future[Actor] = loop.create_future()
             self._hosts.append(parked)
             actor = await parked
 
