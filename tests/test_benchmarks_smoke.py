@@ -77,7 +77,7 @@ class TestControlBench:
                 ("daemon_cpu_per_callback", "us"),
                 ("client_cpu_per_callback", "us"),
             )
-        }
+        } | {f"{m}_per_callback_{c}_clients" for c in (1, 2) for m in ("writes", "commits")}
         _check("bench_control", figures, metrics)
 
 

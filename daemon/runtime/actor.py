@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import sqlite3
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -13,7 +14,7 @@ from typing import Any
 import anyio
 import msgspec
 import structlog
-from structlog.contextvars import bound_contextvars
+from structlog.contextvars import bind_contextvars, reset_contextvars
 
 from daemon.clock import Clock
 from daemon.core.engine import handle_callback, resume
@@ -47,6 +48,8 @@ _DURABLE = (
 )
 _BROKEN = (EventStatus.SETUP_ERROR, EventStatus.TEARDOWN_ERROR)
 _EXECUTING = ThreadStatus.EXECUTING
+#: Answers that cannot change after they are given.
+_SCALARS = (type(None), bool, int, float, str, bytes)
 
 
 @dataclass(eq=False, kw_only=True)
@@ -148,22 +151,27 @@ class Actor:
 
     async def run(self) -> None:
         """Process queued items and resume the workflow until it blocks."""
-        with bound_contextvars(workflow_id=self.workflow_id):
+        # Bound and reset by token: `bound_contextvars` reads every bound variable first, which
+        # cost ~6% of a callback to a waiting workflow (each one starts an actor).
+        bound = dict(bind_contextvars(workflow_id=self.workflow_id))
+        try:
             loaded = await self._load()
             if loaded is None:
                 return
             self._workflow = loaded.state.workflow
-            with bound_contextvars(workflow=loaded.state.workflow):
-                try:
-                    await self._loop(loaded)
-                finally:
-                    await self._pipeline.settle()
-                    # Inbox-backed items stay in the store and are recovered on restart (or
-                    # by the daemon that took the workflow over).
-                    gone = (
-                        "another daemon runs it now" if self._lost else "workflowd is shutting down"
-                    )
-                    self._reject_all(Unavailable(gone))
+            bound.update(bind_contextvars(workflow=loaded.state.workflow))
+            try:
+                await self._loop(loaded)
+            finally:
+                await self._pipeline.settle()
+                # A write that failed with nobody left to see it: its senders hear so.
+                _fail_replies(self._pipeline.undurable(), "callback not stored: its write failed")
+                # Inbox-backed items stay in the store and are recovered on restart (or by
+                # the daemon that took the workflow over).
+                gone = "another daemon runs it now" if self._lost else "workflowd is shutting down"
+                self._reject_all(Unavailable(gone))
+        finally:
+            reset_contextvars(**bound)
 
     async def _loop(self, loaded: Loaded) -> None:
         while not self._stop:
@@ -255,7 +263,12 @@ class Actor:
         await self._pipeline.settle()
         # Inbox events taken since the last durable save are acknowledged but not applied:
         # they go back to the front of the queue, in order, so none is stranded or overtaken.
-        self.items.extendleft(reversed([*self._pipeline.undurable(), *self._unsaved]))
+        # A waiting sender's callback in a lost write was not acknowledged: it hears so, and
+        # its event is dropped (it may send again).
+        lost = self._pipeline.undurable()
+        _fail_replies(lost, f"callback not stored: {type(e).__name__}: {e}")
+        kept = [item for item in lost if item.inbox_id is not None]
+        self.items.extendleft(reversed([*kept, *self._unsaved]))
         self._unsaved = []
         self.cache.forget(self.workflow_id)
         self._history.clear()
@@ -267,8 +280,11 @@ class Actor:
             await self.clock.sleep_until(deadline)
         self._scope, self._interruptible, self._takes_items = None, False, False
 
-    def _take(self, loaded: Loaded) -> Save:
-        """Return the checkpoint of the workflow as it is now, with the history noted so far."""
+    def _take(self, loaded: Loaded, data: str | None = None) -> Save:
+        """Return the checkpoint of the workflow as it is now, with the history noted so far.
+
+        `data` is the workflow's data as JSON, if the caller has it already.
+        """
         if loaded.state.status is WorkflowStatus.FINISHED:
             # A step retried on the way (its error kept until the resume ends) is over: a
             # Finished workflow carries no error, also if the daemon dies before _settle.
@@ -280,7 +296,7 @@ class Actor:
         chained = self.pool.take_chained() if self.pool is not None else 0
         return Save(
             status=loaded.state.status.value,
-            data=loaded.wf.to_json(),
+            data=loaded.wf.to_json() if data is None else data,
             state=loaded.state.to_json(),
             error=loaded.error,
             attempt=loaded.attempt,
@@ -304,12 +320,16 @@ class Actor:
         )
 
     def _durable(self, save: Save) -> None:
+        for item in save.items:
+            # A sender that waits for this commit (see `_callback`).
+            if item.reply is not None and item.reply.release() and self.metrics is not None:
+                self.metrics.callback("applied")
         if WorkflowStatus(save.status) in FINAL_STATUSES:
             self.on_ended(self.workflow_id)
 
-    async def _save(self, loaded: Loaded) -> None:
+    async def _save(self, loaded: Loaded, data: str | None = None) -> None:
         """Save the workflow and return once it is durable, with every checkpoint before it."""
-        await self._pipeline.put(self._take(loaded))
+        await self._pipeline.put(self._take(loaded, data))
         await self._pipeline.flush()
 
     async def _put(self, loaded: Loaded) -> None:
@@ -517,7 +537,7 @@ class Actor:
             await self._reject(loaded, item, reply, e)
             return
         try:
-            _check_fits(loaded.wf)
+            data = _check_fits(loaded.wf)
         except HandlerRejected as e:
             # The handler stored what the data fields cannot hold (a float in an int field):
             # saved, the row would no longer load. Start again from the durable state.
@@ -535,14 +555,30 @@ class Actor:
         log.info("callback_received", event_name=event, thread=item.req.thread_id or None)
         self.arms.rearm(loaded.wf, loaded.state)
         if _rides_along(item, loaded):
-            # A fired timer has no sender to answer: it is saved with the resume that follows
-            # (its re-arm included), one commit. A crash before that leaves it armed in the
-            # store, so it fires again, once.
-            if self.metrics is not None:
+            if item.reply is None and item.inbox_id is None:
+                # A fired timer has no sender to answer: it is saved with the resume that
+                # follows (its re-arm included), one commit. A crash before that leaves it
+                # armed in the store, so it fires again, once.
+                if self.metrics is not None:
+                    self.metrics.callback("applied")
+                return
+            # One commit for the callback and the resume it starts: its checkpoint is queued,
+            # not awaited, and the resume's checkpoints merge into that write while it waits
+            # for the writer. The sender is answered once that write is durable (`_durable`),
+            # so a step the resume starts never holds the answer back: it runs while the
+            # write commits. If the write fails, `_back_off` answers `unavailable`.
+            if item.reply is not None:
+                # The answer as it is now: the resume runs before it is sent, and a handler
+                # may answer with part of the data (a list a step then appends to).
+                item.reply.keep(_frozen(out))
+                if item.inbox_id is None:
+                    self._unsaved.append(item)
+            elif self.metrics is not None:
                 self.metrics.callback("applied")
+            await self._pipeline.put(self._take(loaded, data))
             return
         try:
-            await self._save(loaded)
+            await self._save(loaded, data)
         except Exception as e:
             reply.fail(Unavailable(f"callback not stored: {type(e).__name__}: {e}"))
             raise
@@ -617,19 +653,33 @@ def _unexpected(e: Exception) -> WorkflowdError:
 
 
 def _rides_along(item: Item, loaded: Loaded) -> bool:
-    """Tell whether a callback's save may wait for the resume it starts (a fired timer)."""
-    return (
-        item.reply is None
-        and item.inbox_id is None
-        and loaded.state.status is WorkflowStatus.RESUMING
-        and loaded.next_run_at is None
-    )
+    """Tell whether a callback's save may go in one commit with the resume it starts."""
+    return loaded.state.status is WorkflowStatus.RESUMING and loaded.next_run_at is None
 
 
-def _check_fits(wf: Workflow) -> None:
-    """Raise HandlerRejected unless the data still round-trips through its field types."""
+def _frozen(value: Any) -> Any:
+    """Return a copy of `value` that later changes to the workflow's data cannot reach."""
+    if isinstance(value, _SCALARS):
+        return value
     try:
-        type(wf).from_json(wf.to_json())
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - an object that cannot be copied is answered as it is
+        return value
+
+
+def _fail_replies(items: list[Item], why: str) -> None:
+    """Answer the senders of `items` who still wait with `unavailable`."""
+    for item in items:
+        if item.reply is not None:
+            item.reply.fail(Unavailable(why))
+
+
+def _check_fits(wf: Workflow) -> str:
+    """Return the data as JSON; raise HandlerRejected unless it round-trips through its types."""
+    try:
+        data = wf.to_json()
+        type(wf).from_json(data)
+        return data
     except (msgspec.MsgspecError, TypeError, ValueError, RecursionError) as e:
         # RecursionError: data nested too deeply (or holding itself) to be saved.
         raise HandlerRejected(f"the input does not fit {type(wf).__name__}'s fields: {e}") from e

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -16,6 +17,8 @@ from daemon.runtime.work import Item
 
 #: How long `exclusive` waits for a workflow that is taking a callback to block again.
 BUSY_WAIT_S = 5.0
+#: Tasks kept waiting for the next actor to run once theirs has exited, at most.
+HOSTS_KEPT = 64
 
 
 class Hold:
@@ -65,6 +68,8 @@ class Scheduler:
         self._idle.set()
         #: Told each workflow whose actor exited, with its status then: schedules wait on it.
         self.on_exit: Callable[[str, str | None], None] | None = None
+        #: Tasks of the task group whose actor exited, each waiting to be handed the next one.
+        self._hosts: list[asyncio.Future[Actor]] = []
 
     def submit(self, workflow_id: str, item: Item) -> None:
         """Queue work for a workflow, starting its actor if it has none."""
@@ -77,7 +82,7 @@ class Scheduler:
                 # Only a set event is replaced: one still awaited must be the one set later
                 # (an actor starting another's actor, as a Child's setup does).
                 self._idle = anyio.Event()
-            self._tg.start_soon(self._run, actor)
+            self._host(actor)
         actor.items.append(item)
         actor.notify()
 
@@ -97,6 +102,28 @@ class Scheduler:
         )
         actor.items.clear()
         actor.items.extend(kept)
+
+    def _host(self, actor: Actor) -> None:
+        """Run `actor` in a task of the task group that waits for work, or in a new one."""
+        # A waiting workflow has no actor, so each callback to it starts one: handing it to a
+        # task that is already there costs a fraction of starting a task in the task group.
+        while self._hosts:
+            parked = self._hosts.pop()
+            if not parked.done():  # not cancelled (shutdown)
+                parked.set_result(actor)
+                return
+        self._tg.start_soon(self._hosting, actor)
+
+    async def _hosting(self, actor: Actor) -> None:
+        """Run `actor`, then wait to be handed the next one (cancelled with the task group)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._run(actor)
+            if self.stopping or len(self._hosts) >= HOSTS_KEPT:
+                return
+            parked: asyncio.Future[Actor] = loop.create_future()
+            self._hosts.append(parked)
+            actor = await parked
 
     async def _run(self, actor: Actor) -> None:
         try:

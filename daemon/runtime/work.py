@@ -18,6 +18,7 @@ class Reply:
         self._done = asyncio.Event()
         self._value: Any = None
         self._error: BaseException | None = None
+        self._kept: tuple[Any] | None = None
 
     @property
     def answered(self) -> bool:
@@ -35,6 +36,18 @@ class Reply:
         if not self.answered:
             self._error = error
             self._done.set()
+
+    def keep(self, value: Any) -> None:
+        """Hold an answer back until `release` (once what it acknowledges is durable)."""
+        self._kept = (value,)
+
+    def release(self) -> bool:
+        """Answer with the value held back by `keep`; False if there was none."""
+        if self._kept is None:
+            return False
+        (value,), self._kept = self._kept, None
+        self.set(value)
+        return True
 
     async def wait(self) -> Any:
         """Return the answer, or raise its error."""

@@ -6,7 +6,10 @@ round trip measured is one durable callback. The clients run in this process, ea
 with a blocking socket and its request line made once: they share the two cores with the
 daemon, and an anyio socket stream per client (which registers with the selector on every
 receive) cost ~180 µs of CPU per round trip, as much as a third of the daemon's. Their CPU
-per round trip is printed too (`client_cpu_per_callback_*`).
+per round trip is printed too (`client_cpu_per_callback_*`), and so are the writes and commits
+per callback, from the daemon's `/metrics` (`writes_per_callback_*`: 1 when a callback and the
+resume it starts are one checkpoint; `commits_per_callback_*`: below 1 when group commit
+batches several clients' callbacks).
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers.harness import Daemon
+from tests.helpers.http import fetch
 
 from .bench_workflows import Pinged
 from .common import bench_daemon, call_many, cpu_s, percentile, query, until_count
@@ -71,6 +76,17 @@ def _clients(socket_path: Path, tag: str, clients: int, sends: int) -> list[floa
     return latencies
 
 
+async def _written(address: str) -> tuple[float, float]:
+    """Return the writes and the commits the daemon has made so far (from `/metrics`)."""
+    reply = await fetch(address, "/metrics")
+    found = {}
+    for family in text_string_to_metric_families(reply.body.decode()):
+        for s in family.samples:
+            if s.name in ("workflowd_commit_batch_size_sum", "workflowd_commit_batch_size_count"):
+                found[s.name.rsplit("_", 1)[1]] = float(s.value)
+    return found["sum"], found["count"]
+
+
 async def _round(d: Daemon, tag: str, clients: int, sends: int) -> tuple[list[float], float]:
     """Return every round trip (s) and the elapsed wall time of one round."""
     start = time.perf_counter()
@@ -82,7 +98,8 @@ async def run(tmp: Path, rounds: dict[int, int] | None = None, warmup: int = WAR
     """Measure send round trips with 1 and 16 clients, and durable callbacks/s."""
     rounds = rounds or ROUNDS
     figures: list[dict[str, Any]] = []
-    async with bench_daemon(tmp / "daemon") as d:
+    metrics = str(tmp / "daemon" / "metrics.sock")
+    async with bench_daemon(tmp / "daemon", metrics={"listen": metrics}) as d:
         assert d.proc is not None
         db = d.tmp / "wd.db"
         ids = [f"c{clients}-{n}" for clients in rounds for n in range(clients)]
@@ -93,9 +110,11 @@ async def run(tmp: Path, rounds: dict[int, int] | None = None, warmup: int = WAR
         for clients, sends in rounds.items():
             tag = f"c{clients}"
             await _round(d, tag, clients, max(1, warmup // clients))
+            written = await _written(metrics)
             cpu, mine = cpu_s(d.proc.pid), time.process_time()
             latencies, elapsed = await _round(d, tag, clients, sends)
             cpu_us = (cpu_s(d.proc.pid) - cpu) / len(latencies) * 1e6
+            writes, commits = (b - a for a, b in zip(written, await _written(metrics), strict=True))
             client_us = (time.process_time() - mine) / len(latencies) * 1e6
             context = {"mode": "workflowd", "clients": clients, "sends_each": sends}
             context["synchronous"] = "normal"  # bench_daemon's
@@ -112,9 +131,14 @@ async def run(tmp: Path, rounds: dict[int, int] | None = None, warmup: int = WAR
                  "value": round(cpu_us), "target": None},
                 {"metric": f"client_cpu_per_callback_{clients}_clients_us",
                  "value": round(client_us), "target": None},
+                {"metric": f"writes_per_callback_{clients}_clients",
+                 "value": round(writes / len(latencies), 2), "target": None},
+                {"metric": f"commits_per_callback_{clients}_clients",
+                 "value": round(commits / len(latencies), 2), "target": None},
             ]  # fmt: skip
-            for fig in figures[-5:]:
-                unit = "1/s" if "per_s" in fig["metric"] else fig["metric"].rsplit("_", 1)[1]
+            for fig in figures[-7:]:
+                unit = fig["metric"].rsplit("_", 1)[1]
+                unit = "1/s" if "per_s" in fig["metric"] else "" if unit == "clients" else unit
                 fig.update(bench="control", unit=unit)
                 fig.update(context)
             expected = max(1, warmup // clients) + sends
