@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 import msgspec
 import structlog
-from structlog.contextvars import bound_contextvars
+from structlog.contextvars import bind_contextvars
 
 from daemon.clock import Clock
 from daemon.core.engine import handle_callback, resume
@@ -145,22 +145,22 @@ class Actor:
 
     async def run(self) -> None:
         """Process queued items and resume the workflow until it blocks."""
-        with bound_contextvars(workflow_id=self.workflow_id):
-            loaded = await self._load()
-            if loaded is None:
-                return
-            self._workflow = loaded.state.workflow
-            with bound_contextvars(workflow=loaded.state.workflow):
-                try:
-                    await self._loop(loaded)
-                finally:
-                    await self._pipeline.settle()
-                    # Inbox-backed items stay in the store and are recovered on restart (or
-                    # by the daemon that took the workflow over).
-                    gone = (
-                        "another daemon runs it now" if self._lost else "workflowd is shutting down"
-                    )
-                    self._reject_all(Unavailable(gone))
+        # Bound for good, not restored: an actor runs in a task (and a context) of its own, and
+        # `bound_contextvars` copies the whole context twice, per actor, per fired timer.
+        bind_contextvars(workflow_id=self.workflow_id)
+        loaded = await self._load()
+        if loaded is None:
+            return
+        self._workflow = loaded.state.workflow
+        bind_contextvars(workflow=loaded.state.workflow)
+        try:
+            await self._loop(loaded)
+        finally:
+            await self._pipeline.settle()
+            # Inbox-backed items stay in the store and are recovered on restart (or by the
+            # daemon that took the workflow over).
+            gone = "another daemon runs it now" if self._lost else "workflowd is shutting down"
+            self._reject_all(Unavailable(gone))
 
     async def _loop(self, loaded: Loaded) -> None:
         while not self._stop:

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 
 import anyio
-import anyio.abc
+import structlog
 
 from daemon.core.state import WorkflowStatus
 from daemon.errors import Conflict
 from daemon.runtime.actor import Actor
 from daemon.runtime.cache import Cache, Loaded
 from daemon.runtime.work import Item
+
+log = structlog.get_logger()
 
 #: How long `exclusive` waits for a workflow that is taking a callback to block again.
 BUSY_WAIT_S = 5.0
@@ -47,24 +51,45 @@ class Hold:
 
 
 class Scheduler:
-    """Starts an actor for a workflow when work arrives for it; the actor exits once it blocks."""
+    """Starts an actor for a workflow when work arrives for it; the actor exits once it blocks.
+
+    Each actor runs as a plain asyncio task (an anyio task group's spawn costs several times
+    more, and a burst of fired timers starts thousands a second). They belong to `run`, which
+    the runtime's task group holds: when it is cancelled it cancels every actor and waits for
+    them, and an actor that raises ends it with that error, as a task group's child would.
+    """
 
     def __init__(
         self,
-        tg: anyio.abc.TaskGroup,
         *,
         cache: Cache,
         hold: Hold,
         new_actor: Callable[[str], Actor],
     ) -> None:
-        self._tg, self._cache, self.hold, self._new_actor = tg, cache, hold, new_actor
+        self._cache, self.hold, self._new_actor = cache, hold, new_actor
         self._actors: dict[str, Actor] = {}
+        #: Each actor's task and the cancel scope it runs in.
+        self._tasks: dict[asyncio.Task[None], anyio.CancelScope] = {}
+        #: Set to the first error an actor raised; `run` re-raises it.
+        self._failed: asyncio.Future[None] | None = None
         #: Set once shutdown began: no new work is taken.
         self.stopping = False
         self._idle = anyio.Event()
         self._idle.set()
         #: Told each workflow whose actor exited, with its status then: schedules wait on it.
         self.on_exit: Callable[[str, str | None], None] | None = None
+
+    async def run(self) -> None:
+        """Host the actors' tasks until cancelled; then cancel them and wait until they end."""
+        self._failed = asyncio.get_running_loop().create_future()
+        try:
+            await self._failed
+        finally:
+            with anyio.CancelScope(shield=True):
+                while self._tasks:
+                    for scope in self._tasks.values():
+                        scope.cancel()
+                    await asyncio.wait(list(self._tasks))
 
     def submit(self, workflow_id: str, item: Item) -> None:
         """Queue work for a workflow, starting its actor if it has none."""
@@ -77,9 +102,26 @@ class Scheduler:
                 # Only a set event is replaced: one still awaited must be the one set later
                 # (an actor starting another's actor, as a Child's setup does).
                 self._idle = anyio.Event()
-            self._tg.start_soon(self._run, actor)
+            scope = anyio.CancelScope()
+            task = asyncio.get_running_loop().create_task(self._run(actor, scope))
+            self._tasks[task] = scope
+            task.add_done_callback(partial(self._ended, workflow_id))
         actor.items.append(item)
         actor.notify()
+
+    def _ended(self, workflow_id: str, task: asyncio.Task[None]) -> None:
+        del self._tasks[task]
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is None:
+            return
+        if self._failed is not None and not self._failed.done():
+            self._failed.set_exception(error)
+        else:  # no host to end (or it ends already): said, not lost
+            log.error(
+                "actor_crashed", workflow_id=workflow_id, error=f"{type(error).__name__}: {error}"
+            )
 
     def unpark(self, workflow_id: str) -> None:
         """Submit the work parked for a workflow."""
@@ -98,9 +140,10 @@ class Scheduler:
         actor.items.clear()
         actor.items.extend(kept)
 
-    async def _run(self, actor: Actor) -> None:
+    async def _run(self, actor: Actor, scope: anyio.CancelScope) -> None:
         try:
-            await actor.run()
+            with scope:
+                await actor.run()
         finally:
             del self._actors[actor.workflow_id]
             actor.done.set()

@@ -42,6 +42,14 @@ async def running(db: Path, clock: FakeClock | None = None) -> AsyncIterator[Run
         yield rt
 
 
+async def _no_submit(req: CallbackRequest, input: Any, wait: bool) -> None:
+    raise AssertionError(f"no listener here, yet {req} was submitted")
+
+
+def _no_fire(req: CallbackRequest, input: Any) -> None:
+    raise AssertionError(f"no timer here, yet {req} fired")
+
+
 def listen_tasks() -> int:
     """Count the runtime's listen tasks still running in this event loop."""
     return sum(1 for t in anyio.get_running_tasks() if (t.name or "").endswith("Arms._listen"))
@@ -117,14 +125,14 @@ class TestTimer:
         """A timer whose callback cannot be queued stays armed and fires on the retry."""
         clock, calls = FakeClock(), []
 
-        async def submit(req: CallbackRequest, input: Any, wait: bool) -> None:
+        def fire(req: CallbackRequest, input: Any) -> None:
             calls.append(input)
             if len(calls) == 1:
                 raise RuntimeError("queue broke")
 
         with structlog.testing.capture_logs() as logs:
             async with anyio.create_task_group() as tg:
-                arms = Arms(tg, clock, submit, lambda req, error: None)
+                arms = Arms(tg, clock, _no_submit, lambda req, error: None, fire=fire)
                 tg.start_soon(arms.run_timers)
                 deadline = clock.now() + 60
                 req = CallbackRequest("w", "_main_", "wake", 1, json.dumps({"deadline": deadline}))
@@ -141,11 +149,11 @@ class TestTimer:
         """`arm_timers` (recovery's way) skips keys armed already; each fires once, in order."""
         clock, fired = FakeClock(), []
 
-        async def submit(req: CallbackRequest, input: Any, wait: bool) -> None:
+        def fire(req: CallbackRequest, input: Any) -> None:
             fired.append((req.workflow_id, req.name))
 
         async with anyio.create_task_group() as tg:
-            arms = Arms(tg, clock, submit, lambda req, error: None)
+            arms = Arms(tg, clock, _no_submit, lambda req, error: None, fire=fire)
             tg.start_soon(arms.run_timers)
             now = clock.now()
             a1, a2, b = ("a", "_main_", "t1", 1), ("a", "t2", "t2", 1), ("b", "_main_", "t", 3)
@@ -202,7 +210,9 @@ class TestListenFailed:
             delivered.set()
 
         async with anyio.create_task_group() as tg:
-            arms = Arms(tg, FakeClock(), submit, lambda req, e: broken.append((req, e)))
+            arms = Arms(
+                tg, FakeClock(), submit, lambda req, e: broken.append((req, e)), fire=_no_fire
+            )
             req = CallbackRequest("w", "_main_", "it", 3)
             arms.sync("w", {key_of(req): (req, _Listener(fails=1))})
             with anyio.fail_after(10):
@@ -220,7 +230,9 @@ class TestListenFailed:
             raise CallbackNotFound("gone")
 
         async with anyio.create_task_group() as tg:
-            arms = Arms(tg, FakeClock(), submit, lambda req, e: broken.append((req, e)))
+            arms = Arms(
+                tg, FakeClock(), submit, lambda req, e: broken.append((req, e)), fire=_no_fire
+            )
             req = CallbackRequest("w", "_main_", "it", 3)
             arms.sync("w", {key_of(req): (req, _Listener(fails=0))})
             await until(lambda: len(calls) == 2)  # retried after its 1 s backoff
