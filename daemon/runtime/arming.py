@@ -39,8 +39,8 @@ NODE_LOCAL = frozenset({"file", "socket"})
 REFUSED_GRACE_S = 0.25
 
 
-#: Wait types armed without their handler: a timer from the deadline its setup stored (see
-#: `timer_deadline`), a signal with nothing to arm. Recovery's lean path relies on the same.
+#: Wait types recovery arms without their handler: a timer from the deadline its setup stored
+#: (`timer_deadline`; re-arming after a resume does the same), a signal with nothing to arm.
 TIMER, SIGNAL = "timer", "signal"
 _SETUP = EventStatus.SETUP
 
@@ -124,10 +124,12 @@ class Arms:
     def rearm(self, wf: Definable, state: State) -> None:
         """Make the armed waits of a workflow match its state.
 
-        Runs after every callback and resume, so it is cheap when nothing changed: a wait armed
-        already stays, a new timer is armed from the deadline its setup stored and a signal
-        arms nothing (as recovery does). Only a new wait of another kind (a listener) builds
-        the definition, for its handler.
+        Runs after every callback and resume, so it is cheap for timers: a wait armed already
+        stays, and a new timer is armed from the deadline its setup stored (as recovery does),
+        without building the definition. Any other wait not armed builds it: a listener needs
+        its handler; a signal arms nothing, but building the definition after a callback is
+        also what finds data, left by a handler, that the definition can no longer be built
+        from, before that is saved (the callback is answered with the error, nothing kept).
         """
         wid, timers, listeners = state.id, self._timers, self._listeners
         keep: set[Key] = set()
@@ -144,7 +146,7 @@ class Arms:
                         keep.add(key)
                     elif ev.type == TIMER and (due := timer_deadline(req.setup_data)) is not None:
                         new_timers.append((key, due))
-                    elif ev.type != SIGNAL:
+                    else:
                         new.append((key, req))
         have = self._by_workflow.get(wid)
         if have is not None:

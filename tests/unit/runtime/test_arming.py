@@ -277,26 +277,27 @@ class TestBatches:
             assert len(arms) == 0  # an ended workflow arms nothing
             tg.cancel_scope.cancel()
 
-    async def test_rearm_builds_the_definition_for_a_new_listener_only(self) -> None:
-        """A listener needs its handler, so its first re-arm builds the definition; a signal not."""
-        wf = Listening()
-        delivered = anyio.Event()
+    async def test_rearm_builds_the_definition_for_other_waits_only(self) -> None:
+        """A listener is armed from its handler, so from the definition; a timer never needs it."""
+        wf, delivered = Listening(), anyio.Event()
 
         async def submit(req: CallbackRequest, input: Any, wait: bool) -> None:
             delivered.set()
 
         async with anyio.create_task_group() as tg:
-            arms = Arms(tg, FakeClock(), submit, lambda req, error: None, fire=_no_fire)
+            clock = FakeClock()
+            arms = Arms(tg, clock, submit, lambda req, error: None, fire=_no_fire)
             hear = WaitEvent("test", CallbackRequest("w", "_main_", "hear", 2), EventStatus.SETUP)
-            poke = WaitEvent("signal", CallbackRequest("w", "_main_", "poke", 2), EventStatus.SETUP)
-            state = _waiting("w", [hear, poke])
-            arms.rearm(wf, state)
-            arms.rearm(wf, state)
+            arms.rearm(wf, _waiting("w", [hear]))
+            arms.rearm(wf, _waiting("w", [hear]))  # armed already: no definition needed
             assert wf.built == 1 and arms.kinds() == {"timer": 0, "listener": 1}
             with anyio.fail_after(10):
                 await delivered.wait()
-            arms.rearm(wf, _waiting("w", [poke]))
-            assert len(arms) == 0 and wf.built == 1
+            poke = WaitEvent("signal", CallbackRequest("w", "_main_", "poke", 2), EventStatus.SETUP)
+            arms.rearm(wf, _waiting("w", [poke]))  # a signal: built, arms nothing
+            assert wf.built == 2 and len(arms) == 0
+            arms.rearm(wf, _waiting("w", [_timer_event("w", "wake", 4, clock.now() + 9)]))
+            assert wf.built == 2 and arms.kinds() == {"timer": 1, "listener": 0}
             tg.cancel_scope.cancel()
 
 
