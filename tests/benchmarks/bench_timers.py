@@ -27,7 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 
+from daemon.clock import FakeClock
+from daemon.core.handler import CallbackRequest
+from daemon.runtime.arming import Arms
 from tests.helpers.client import connect
 from tests.helpers.harness import Daemon
 
@@ -158,6 +162,40 @@ async def rearm(
     ]
 
 
+OWN_FIRES = 100_000
+
+
+async def own_fire(n: int = OWN_FIRES) -> list[dict[str, Any]]:
+    """Fire `n` timers due at once through `Arms` alone (in process); return CPU per timer.
+
+    This is the timer's own firing work: popping it off the heap and handing its callback
+    over (to a no-op here; the daemon's queues it for the workflow's actor). The rest of a
+    fire is the actor's: the callback, the resume, the commit.
+    """
+    clock, fired = FakeClock(), [0]
+
+    def fire(req: CallbackRequest, input: Any) -> None:
+        fired[0] += 1
+
+    async def submit(req: CallbackRequest, input: Any, wait: bool) -> None:
+        raise AssertionError("no listener here")
+
+    async with anyio.create_task_group() as tg:
+        arms = Arms(tg, clock, submit, lambda req, error: None, fire=fire)
+        now = clock.now()
+        arms.arm_timers(((f"w{i:07d}", "_main_", "t", 1), now + 1 + i / n) for i in range(n))
+        tg.start_soon(arms.run_timers)
+        await anyio.lowlevel.checkpoint()
+        start = time.thread_time()
+        clock.advance(10)
+        while fired[0] < n:
+            await anyio.lowlevel.checkpoint()
+        cpu = time.thread_time() - start
+        tg.cancel_scope.cancel()
+    ctx = {"timers": n, "how": "Arms alone, in process: heap pop and hand-over"}
+    return [_figure("own_fire_cpu_per_timer_us", round(cpu / n * 1e6, 2), None, **ctx)]
+
+
 async def _start_bounded(d: Daemon, limit_s: float) -> float:
     """Spawn the daemon and return the seconds until it answers ping."""
     start = time.perf_counter()
@@ -280,7 +318,7 @@ async def run(
     # A moderate load (a tenth of the burst) shows lateness when the daemon keeps up.
     moderate = await lateness(tmp / "moderate", max(1, timers // 10), label="_moderate")
     burst = await lateness(tmp / "lateness", timers)
-    figures = [*moderate, *burst, *await rearm(tmp / "rearm")]
+    figures = [*moderate, *burst, *await rearm(tmp / "rearm"), *await own_fire()]
     figures += await memory(tmp / "memory", workflows)
     if seeded:
         figures += await sleepers(tmp / "sleepers", seeded)
