@@ -161,6 +161,9 @@ class Actor:
             # daemon that took the workflow over).
             gone = "another daemon runs it now" if self._lost else "workflowd is shutting down"
             self._reject_all(Unavailable(gone))
+            # The pipeline holds our bound methods: left as it is, every ended actor would be
+            # garbage for the cyclic GC to find (an actor runs once, so nothing uses it after).
+            del self._pipeline
 
     async def _loop(self, loaded: Loaded) -> None:
         while not self._stop:
