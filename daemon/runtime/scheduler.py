@@ -18,6 +18,8 @@ from daemon.runtime.work import Item
 
 log = structlog.get_logger()
 
+#: How often, at shutdown, an actor still running is cancelled again.
+RECANCEL_S = 0.05
 #: How long `exclusive` waits for a workflow that is taking a callback to block again.
 BUSY_WAIT_S = 5.0
 
@@ -68,8 +70,8 @@ class Scheduler:
     ) -> None:
         self._cache, self.hold, self._new_actor = cache, hold, new_actor
         self._actors: dict[str, Actor] = {}
-        #: Each actor's task and the cancel scope it runs in.
-        self._tasks: dict[asyncio.Task[None], anyio.CancelScope] = {}
+        #: The actors' tasks.
+        self._tasks: set[asyncio.Task[None]] = set()
         #: Set to the first error an actor raised; `run` re-raises it.
         self._failed: asyncio.Future[None] | None = None
         #: Set once shutdown began: no new work is taken.
@@ -87,9 +89,12 @@ class Scheduler:
         finally:
             with anyio.CancelScope(shield=True):
                 while self._tasks:
-                    for scope in self._tasks.values():
-                        scope.cancel()
-                    await asyncio.wait(list(self._tasks))
+                    for task in self._tasks:
+                        task.cancel()
+                    # Cancelled again until it ends, as a cancel scope would: an actor that
+                    # awaits in a `finally` is told again (a cancel scope of its own each
+                    # would cost every actor more than its task does).
+                    await asyncio.wait(list(self._tasks), timeout=RECANCEL_S)
 
     def submit(self, workflow_id: str, item: Item) -> None:
         """Queue work for a workflow, starting its actor if it has none."""
@@ -102,15 +107,14 @@ class Scheduler:
                 # Only a set event is replaced: one still awaited must be the one set later
                 # (an actor starting another's actor, as a Child's setup does).
                 self._idle = anyio.Event()
-            scope = anyio.CancelScope()
-            task = asyncio.get_running_loop().create_task(self._run(actor, scope))
-            self._tasks[task] = scope
+            task = asyncio.get_running_loop().create_task(self._run(actor))
+            self._tasks.add(task)
             task.add_done_callback(partial(self._ended, workflow_id))
         actor.items.append(item)
         actor.notify()
 
     def _ended(self, workflow_id: str, task: asyncio.Task[None]) -> None:
-        del self._tasks[task]
+        self._tasks.discard(task)
         if task.cancelled():
             return
         error = task.exception()
@@ -140,10 +144,9 @@ class Scheduler:
         actor.items.clear()
         actor.items.extend(kept)
 
-    async def _run(self, actor: Actor, scope: anyio.CancelScope) -> None:
+    async def _run(self, actor: Actor) -> None:
         try:
-            with scope:
-                await actor.run()
+            await actor.run()
         finally:
             del self._actors[actor.workflow_id]
             actor.done.set()

@@ -47,6 +47,23 @@ class Hanging(Actor):
             self.notes.append("cancelled")
 
 
+@dataclass(eq=False, kw_only=True)
+class Stubborn(Actor):
+    """An actor that awaits again after its first cancellation (as one settling a write does)."""
+
+    notes: list[str]
+
+    async def run(self) -> None:
+        self.notes.append("started")
+        try:
+            await anyio.sleep_forever()
+        except asyncio.CancelledError:
+            self.notes.append("told once")
+            await anyio.sleep_forever()  # until told again
+        finally:
+            self.notes.append("ended")
+
+
 def _scheduler(rt: Runtime, make: Callable[..., Actor]) -> Scheduler:
     return Scheduler(
         cache=rt.cache,
@@ -99,6 +116,21 @@ class TestActorTasks:
             assert len(scheduler) == 0
             with anyio.fail_after(5):
                 await scheduler.wait_idle()
+
+    async def test_an_actor_that_awaits_after_a_cancel_is_cancelled_again(
+        self, tmp_path: Path
+    ) -> None:
+        """Cancellation is not a single shot: an actor awaiting in its cleanup is told again."""
+        notes: list[str] = []
+        async with SQLiteStore.open(tmp_path / "wf.db") as store, Runtime.open(store, {}) as rt:
+            scheduler = _scheduler(rt, lambda **kw: Stubborn(notes=notes, **kw))
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(scheduler.run)
+                    scheduler.submit("w", Item("resume"))
+                    await until(lambda: notes == ["started"])
+                    tg.cancel_scope.cancel()
+            assert notes == ["started", "told once", "ended"] and len(scheduler) == 0
 
     async def test_an_actor_that_raises_ends_run_with_its_error(self, tmp_path: Path) -> None:
         """A crash is not swallowed: `run` raises it (the runtime's task group then ends)."""
