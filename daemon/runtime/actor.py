@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 import msgspec
 import structlog
-from structlog.contextvars import bind_contextvars, reset_contextvars
+from structlog.contextvars import bind_contextvars
 
 from daemon.clock import Clock
 from daemon.core.engine import handle_callback, resume
@@ -151,27 +151,27 @@ class Actor:
 
     async def run(self) -> None:
         """Process queued items and resume the workflow until it blocks."""
-        # Bound and reset by token: `bound_contextvars` reads every bound variable first, which
-        # cost ~6% of a callback to a waiting workflow (each one starts an actor).
-        bound = dict(bind_contextvars(workflow_id=self.workflow_id))
+        # Bound for good, not restored: an actor runs in a task (and a context) of its own, and
+        # `bound_contextvars` copies the whole context twice, per actor, per fired timer.
+        bind_contextvars(workflow_id=self.workflow_id)
+        loaded = await self._load()
+        if loaded is None:
+            return
+        self._workflow = loaded.state.workflow
+        bind_contextvars(workflow=loaded.state.workflow)
         try:
-            loaded = await self._load()
-            if loaded is None:
-                return
-            self._workflow = loaded.state.workflow
-            bound.update(bind_contextvars(workflow=loaded.state.workflow))
-            try:
-                await self._loop(loaded)
-            finally:
-                await self._pipeline.settle()
-                # A write that failed with nobody left to see it: its senders hear so.
-                _fail_replies(self._pipeline.undurable(), "callback not stored: its write failed")
-                # Inbox-backed items stay in the store and are recovered on restart (or by
-                # the daemon that took the workflow over).
-                gone = "another daemon runs it now" if self._lost else "workflowd is shutting down"
-                self._reject_all(Unavailable(gone))
+            await self._loop(loaded)
         finally:
-            reset_contextvars(**bound)
+            await self._pipeline.settle()
+            # A write that failed with nobody left to see it: its senders hear so.
+            _fail_replies(self._pipeline.undurable(), "callback not stored: its write failed")
+            # Inbox-backed items stay in the store and are recovered on restart (or by the
+            # daemon that took the workflow over).
+            gone = "another daemon runs it now" if self._lost else "workflowd is shutting down"
+            self._reject_all(Unavailable(gone))
+            # The pipeline holds our bound methods: left as it is, every ended actor would be
+            # garbage for the cyclic GC to find (an actor runs once, so nothing uses it after).
+            del self._pipeline
 
     async def _loop(self, loaded: Loaded) -> None:
         while not self._stop:

@@ -9,6 +9,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import msgspec
 import structlog
 
 from daemon.clock import Clock
@@ -22,12 +23,14 @@ log = structlog.get_logger()
 
 #: An armed wait: workflow id, thread id, event name, pc.
 Key = tuple[str, str, str, int]
-#: Submits a callback for an armed wait; `wait` says whether to await its result.
-#: With `wait=False` it only queues the callback and must not block: timers fire inline.
+#: Submits a listener's callback for an armed wait; `wait` says whether to await its result.
 Submit = Callable[[CallbackRequest, Any, bool], Coroutine[Any, Any, Any]]
 #: Reports that an armed wait's listener failed (not its delivery), with the error text.
 #: It must not block: it only queues work.
 Broken = Callable[[CallbackRequest, str], None]
+#: Hands a due timer's callback (its request and input) to its workflow; nobody waits for an
+#: answer. It must not block: the timer loop hands over every due timer in one go.
+Fire = Callable[[CallbackRequest, Any], None]
 
 LISTEN_RETRY_MAX_S = 60.0
 #: Handler types whose waits hold this machine's resources (a path, a port): on a shared
@@ -36,9 +39,32 @@ NODE_LOCAL = frozenset({"file", "socket"})
 REFUSED_GRACE_S = 0.25
 
 
+#: Wait types recovery arms without their handler: a timer from the deadline its setup stored
+#: (`timer_deadline`; re-arming after a resume does the same), a signal with nothing to arm.
+TIMER, SIGNAL = "timer", "signal"
+_SETUP = EventStatus.SETUP
+
+
 def key_of(req: CallbackRequest) -> Key:
     """Return the key of the wait `req` addresses."""
     return (req.workflow_id, req.thread_id, req.name, req.pc)
+
+
+class _Deadline(msgspec.Struct):
+    """What a Timer's setup stores (handlers.timer): the absolute deadline, epoch seconds."""
+
+    deadline: float
+
+
+_deadline_of = msgspec.json.Decoder(_Deadline)
+
+
+def timer_deadline(setup_data: str) -> float | None:
+    """Return the deadline a timer's setup stored, or None if its setup data does not say."""
+    try:
+        return _deadline_of.decode(setup_data).deadline
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 class Arms:
@@ -51,8 +77,11 @@ class Arms:
         submit: Submit,
         broken: Broken,
         metrics: Metrics | None = None,
+        *,
+        fire: Fire,
     ) -> None:
         self._tg, self._clock, self._submit, self._broken = tg, clock, submit, broken
+        self._fire = fire
         self._metrics = metrics
         # Ties on the deadline compare keys, which are plain tuples: no sequence number needed.
         self._heap: list[tuple[float, Key]] = []
@@ -93,23 +122,46 @@ class Arms:
                 self._arm(key, req, handler)
 
     def rearm(self, wf: Definable, state: State) -> None:
-        """Make the armed waits of a workflow match its state."""
-        wanted = {}
-        armed = [
-            (t.id, ev.req)
-            for t in state.threads
-            for ev in t.wait_events
-            if ev.status is EventStatus.SETUP
-        ]
-        # Building the definition is the costly part; a workflow that just took a callback
-        # usually has nothing set up, so skip it then.
-        if armed and state.status not in FINAL_STATUSES:
+        """Make the armed waits of a workflow match its state.
+
+        Runs after every callback and resume, so it is cheap for timers: a wait armed already
+        stays, and a new timer is armed from the deadline its setup stored (as recovery does),
+        without building the definition. Any other wait not armed builds it: a listener needs
+        its handler; a signal arms nothing, but building the definition after a callback is
+        also what finds data, left by a handler, that the definition can no longer be built
+        from, before that is saved (the callback is answered with the error, nothing kept).
+        """
+        wid, timers, listeners = state.id, self._timers, self._listeners
+        keep: set[Key] = set()
+        new_timers: list[tuple[Key, float]] = []
+        new: list[tuple[Key, CallbackRequest]] = []
+        if state.status not in FINAL_STATUSES:
+            for t in state.threads:
+                for ev in t.wait_events:
+                    if ev.status is not _SETUP:
+                        continue
+                    req = ev.req
+                    key = (wid, t.id, req.name, req.pc)
+                    if key in timers or key in listeners:
+                        keep.add(key)
+                    elif ev.type == TIMER and (due := timer_deadline(req.setup_data)) is not None:
+                        new_timers.append((key, due))
+                    else:
+                        new.append((key, req))
+        have = self._by_workflow.get(wid)
+        if have is not None:
+            for key in set(have) if isinstance(have, set) else (have,):
+                if key not in keep:
+                    self.disarm(key)
+        if new_timers:
+            self.arm_timers(new_timers)
+        if new:
+            # Building the definition is the costly part, hence only here.
             events = Definition(wf.definition()).events
-            for thread_id, req in armed:
+            for key, req in new:
                 on = events.get(req.name)
                 if on is not None:
-                    wanted[(state.id, thread_id, req.name, req.pc)] = (req, on.handler)
-        self.sync(state.id, wanted)
+                    self._arm(key, req, on.handler)
 
     def _arm(self, key: Key, req: CallbackRequest, handler: Handler) -> None:
         deadline_of = getattr(handler, "deadline", None)
@@ -266,21 +318,22 @@ class Arms:
         self._sleep = None
 
     async def _fire_due(self) -> None:
-        """Fire every timer that is due now."""
-        now = self._clock.now()
-        while self._heap and self._heap[0][0] <= now:
-            entry = heapq.heappop(self._heap)
+        """Hand every timer due now to its workflow, in deadline order, in this one wake."""
+        now, heap, armed, fire = self._clock.now(), self._heap, self._timers, self._fire
+        metrics = self._metrics
+        while heap and heap[0][0] <= now:
+            entry = heapq.heappop(heap)
             due, key = entry
-            if self._timers.get(key) != due:
+            if armed.get(key) != due:
                 continue  # disarmed or re-armed since
-            req = CallbackRequest(key[0], key[1], key[2], key[3])
             try:
-                # Inline, not a task per timer: a burst of due timers stays cheap.
-                await self._submit(req, {"deadline": due, "fired_at": now}, False)
+                # No task and no await per timer: a burst of due timers stays cheap.
+                fire(CallbackRequest(*key), {"deadline": due, "fired_at": now})
             except BaseException:
                 # Still armed: the supervisor tries this timer again after its backoff.
-                heapq.heappush(self._heap, entry)
+                heapq.heappush(heap, entry)
                 raise
-            self.disarm(key)
-            if self._metrics is not None:
-                self._metrics.timer_fired(now - due)
+            del armed[key]
+            self._unindex(key)
+            if metrics is not None:
+                metrics.timer_fired(now - due)

@@ -27,7 +27,7 @@ from daemon.core.compat import misfit
 from daemon.core.handler import CallbackRequest
 from daemon.core.state import FINAL_STATUSES, EventStatus, WorkflowStatus
 from daemon.errors import WorkflowdError
-from daemon.runtime.arming import Arms, Key
+from daemon.runtime.arming import SIGNAL, TIMER, Arms, Key, timer_deadline
 from daemon.runtime.cache import Cache, Loaded
 from daemon.runtime.scheduler import Scheduler
 from daemon.runtime.work import Item
@@ -37,7 +37,7 @@ log = structlog.get_logger()
 
 #: Handler types a sleeping workflow may wait on and still be recovered lean: a timer (armed
 #: from the deadline its setup stored) and a signal (nothing to arm).
-LEAN_TYPES = frozenset({"timer", "signal"})
+LEAN_TYPES = frozenset({TIMER, SIGNAL})
 #: How many sleeping workflows are checked in full before READY; the rest are recovered lean.
 CHECKED_AT_START = 10_000
 #: Workflows checked between two yields to the event loop in `check_rest` (~1-2 ms).
@@ -67,12 +67,7 @@ class _Waits(msgspec.Struct):
     threads: list[_Thread] = []
 
 
-class _Deadline(msgspec.Struct):
-    deadline: float
-
-
 _waits = msgspec.json.Decoder(_Waits)
-_deadline_of = msgspec.json.Decoder(_Deadline)
 
 
 def _timers_of(wid: str, state: str) -> list[tuple[Key, float]] | None:
@@ -94,10 +89,9 @@ def _timers_of(wid: str, state: str) -> list[tuple[Key, float]] | None:
         for ev in t.wait_events:
             if ev.status != _SETUP or ev.type not in LEAN_TYPES:
                 return None
-            if ev.type == "timer":
-                try:
-                    due = _deadline_of.decode(ev.req.setup_data).deadline
-                except (msgspec.DecodeError, msgspec.ValidationError):
+            if ev.type == TIMER:
+                due = timer_deadline(ev.req.setup_data)
+                if due is None:
                     return None
                 # Interned: a million sleepers share a handful of thread and event names.
                 timers.append(((wid, sys.intern(t.id), sys.intern(ev.req.name), ev.req.pc), due))

@@ -102,9 +102,11 @@ class Runtime:
         self.limiter = anyio.CapacityLimiter(settings.max_concurrent_steps)
         self.cache = Cache(store, registry, settings.cache_size, pinned=self._running)
         self.scheduler = Scheduler(
-            tg, cache=self.cache, hold=Hold(settings.hold), new_actor=self._new_actor
+            cache=self.cache, hold=Hold(settings.hold), new_actor=self._new_actor
         )
-        self.arms = Arms(tg, clock, self._submit_callback, self._listen_failed, metrics)
+        self.arms = Arms(
+            tg, clock, self._submit_callback, self._listen_failed, metrics, fire=self._fire_timer
+        )
         self.deadlines = Deadlines(tg, clock, self._expire)
         self.children = ChildLinks(
             store=store,
@@ -262,6 +264,7 @@ class Runtime:
                 store, registry, settings or Settings(), tg, clock, logs, metrics, shared, lease_s
             )
             use_children(rt.children)  # Child handlers find it as they find the clock
+            tg.start_soon(rt.scheduler.run)
             tg.start_soon(rt.arms.run_timers)
             tg.start_soon(rt.deadlines.run)
             try:
@@ -306,6 +309,12 @@ class Runtime:
         if reply is not None:
             return await reply.wait()
         return None
+
+    def _fire_timer(self, req: CallbackRequest, input: Any) -> None:
+        """Queue a fired timer's callback; nobody waits for its answer."""
+        # Shutting down, it is dropped: still armed in the store, it fires after the restart.
+        if not self.scheduler.stopping:
+            self.scheduler.submit(req.workflow_id, Item("callback", req=req, input=input))
 
     def _listen_failed(self, req: CallbackRequest, error: str) -> None:
         """Have the workflow's actor record an armed wait whose listener failed as SetupError."""

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 
 import anyio
-import anyio.abc
+import structlog
 
 from daemon.core.state import WorkflowStatus
 from daemon.errors import Conflict
@@ -15,10 +16,12 @@ from daemon.runtime.actor import Actor
 from daemon.runtime.cache import Cache, Loaded
 from daemon.runtime.work import Item
 
+log = structlog.get_logger()
+
+#: How often, at shutdown, an actor still running is cancelled again.
+RECANCEL_S = 0.05
 #: How long `exclusive` waits for a workflow that is taking a callback to block again.
 BUSY_WAIT_S = 5.0
-#: Tasks kept waiting for the next actor to run once theirs has exited, at most.
-HOSTS_KEPT = 64
 
 
 class Hold:
@@ -50,26 +53,48 @@ class Hold:
 
 
 class Scheduler:
-    """Starts an actor for a workflow when work arrives for it; the actor exits once it blocks."""
+    """Starts an actor for a workflow when work arrives for it; the actor exits once it blocks.
+
+    Each actor runs as a plain asyncio task (an anyio task group's spawn costs several times
+    more, and a burst of fired timers starts thousands a second). They belong to `run`, which
+    the runtime's task group holds: when it is cancelled it cancels every actor and waits for
+    them, and an actor that raises ends it with that error, as a task group's child would.
+    """
 
     def __init__(
         self,
-        tg: anyio.abc.TaskGroup,
         *,
         cache: Cache,
         hold: Hold,
         new_actor: Callable[[str], Actor],
     ) -> None:
-        self._tg, self._cache, self.hold, self._new_actor = tg, cache, hold, new_actor
+        self._cache, self.hold, self._new_actor = cache, hold, new_actor
         self._actors: dict[str, Actor] = {}
+        #: The actors' tasks.
+        self._tasks: set[asyncio.Task[None]] = set()
+        #: Set to the first error an actor raised; `run` re-raises it.
+        self._failed: asyncio.Future[None] | None = None
         #: Set once shutdown began: no new work is taken.
         self.stopping = False
         self._idle = anyio.Event()
         self._idle.set()
         #: Told each workflow whose actor exited, with its status then: schedules wait on it.
         self.on_exit: Callable[[str, str | None], None] | None = None
-        #: Tasks of the task group whose actor exited, each waiting to be handed the next one.
-        self._hosts: list[asyncio.Future[Actor]] = []
+
+    async def run(self) -> None:
+        """Host the actors' tasks until cancelled; then cancel them and wait until they end."""
+        self._failed = asyncio.get_running_loop().create_future()
+        try:
+            await self._failed
+        finally:
+            with anyio.CancelScope(shield=True):
+                while self._tasks:
+                    for task in self._tasks:
+                        task.cancel()
+                    # Cancelled again until it ends, as a cancel scope would: an actor that
+                    # awaits in a `finally` is told again (a cancel scope of its own each
+                    # would cost every actor more than its task does).
+                    await asyncio.wait(list(self._tasks), timeout=RECANCEL_S)
 
     def submit(self, workflow_id: str, item: Item) -> None:
         """Queue work for a workflow, starting its actor if it has none."""
@@ -82,9 +107,25 @@ class Scheduler:
                 # Only a set event is replaced: one still awaited must be the one set later
                 # (an actor starting another's actor, as a Child's setup does).
                 self._idle = anyio.Event()
-            self._host(actor)
+            task = asyncio.get_running_loop().create_task(self._run(actor))
+            self._tasks.add(task)
+            task.add_done_callback(partial(self._ended, workflow_id))
         actor.items.append(item)
         actor.notify()
+
+    def _ended(self, workflow_id: str, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is None:
+            return
+        if self._failed is not None and not self._failed.done():
+            self._failed.set_exception(error)
+        else:  # no host to end (or it ends already): said, not lost
+            log.error(
+                "actor_crashed", workflow_id=workflow_id, error=f"{type(error).__name__}: {error}"
+            )
 
     def unpark(self, workflow_id: str) -> None:
         """Submit the work parked for a workflow."""
@@ -102,28 +143,6 @@ class Scheduler:
         )
         actor.items.clear()
         actor.items.extend(kept)
-
-    def _host(self, actor: Actor) -> None:
-        """Run `actor` in a task of the task group that waits for work, or in a new one."""
-        # A waiting workflow has no actor, so each callback to it starts one: handing it to a
-        # task that is already there costs a fraction of starting a task in the task group.
-        while self._hosts:
-            parked = self._hosts.pop()
-            if not parked.done():  # not cancelled (shutdown)
-                parked.set_result(actor)
-                return
-        self._tg.start_soon(self._hosting, actor)
-
-    async def _hosting(self, actor: Actor) -> None:
-        """Run `actor`, then wait to be handed the next one (cancelled with the task group)."""
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._run(actor)
-            if self.stopping or len(self._hosts) >= HOSTS_KEPT:
-                return
-            parked: asyncio.Future[Actor] = loop.create_future()
-            self._hosts.append(parked)
-            actor = await parked
 
     async def _run(self, actor: Actor) -> None:
         try:

@@ -109,3 +109,38 @@ async def test_sleepers_recovered_lean_fire_once_never_early_across_a_kill(
     finally:
         if d.proc is not None and d.proc.poll() is None:
             await d.stop()
+
+
+async def test_a_burst_due_at_one_instant_fires_each_once_never_early_across_a_kill(
+    short_tmp: Path,
+) -> None:
+    """Hundreds of timers due at the same moment fire in one hand-over: each once, none early.
+
+    The daemon is killed (SIGKILL) as soon as the first of them has woken, while the rest of
+    the burst may still be committing; after the restart every timer has fired exactly once
+    (a fire whose commit was lost fires again, once), and the metronomes re-armed by their own
+    callbacks meanwhile have ticked every beat.
+    """
+    n, beats = 300, 8
+    async with running_daemon(short_tmp, MODULES) as d, d.client() as c:
+        due = time.time() + 3.0
+        for i in range(n):
+            await c.call("start", workflow="Dozer", workflow_id=f"d{i:03d}", input={"at": due})
+        for i in range(5):
+            input = {"beats": beats, "every_s": 0.01}
+            await c.call("start", workflow="Metronome", workflow_id=f"m{i}", input=input)
+        assert time.time() < due, "the starts took longer than the lead: raise it"
+        await wait_status(c, "d000", "Finished", limit_s=30)
+        await d.kill()
+        await d.start()
+        async with d.client() as c2:
+            for i in range(n):
+                data = (await wait_status(c2, f"d{i:03d}", "Finished", limit_s=30))["data"]
+                assert data["rang"] == 1, (i, data)
+                assert data["fired_at"] >= due and data["woke_at"] >= due, (i, due, data)
+            for i in range(5):
+                shown = await wait_status(c2, f"m{i}", "Finished", limit_s=30)
+                assert shown["data"]["ticked"] == beats
+            await settled(c2)
+            ping = await c2.call("ping")
+            assert ping["workflows"] == {"Finished": n + 5}

@@ -12,6 +12,7 @@ import socket
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +21,14 @@ import anyio.abc
 import pytest
 import structlog
 
-from daemon import CallbackRequest, Workflow
+from daemon import CallbackRequest, On, S, Section, Wait, Workflow
 from daemon.clock import FakeClock
+from daemon.core.state import EventStatus, State, Thread, ThreadStatus, WaitEvent, WorkflowStatus
 from daemon.errors import CallbackNotFound, StaleCallback
 from daemon.runtime.arming import Arms, key_of
 from daemon.runtime.runtime import Runtime
 from daemon.store.sqlite import SQLiteStore
-from handlers import Timer
+from handlers import Signal, Timer
 from handlers._dirwatch import hub
 from tests.helpers.probes import exchange, fds, unix_bound, unix_listening
 from tests.helpers.wait import until, wait_runtime_status
@@ -40,6 +42,14 @@ async def running(db: Path, clock: FakeClock | None = None) -> AsyncIterator[Run
     """Open a store and a runtime on it for the body of the block."""
     async with SQLiteStore.open(db) as store, Runtime.open(store, REGISTRY, clock=clock) as rt:
         yield rt
+
+
+async def _no_submit(req: CallbackRequest, input: Any, wait: bool) -> None:
+    raise AssertionError(f"no listener here, yet {req} was submitted")
+
+
+def _no_fire(req: CallbackRequest, input: Any) -> None:
+    raise AssertionError(f"no timer here, yet {req} fired")
 
 
 def listen_tasks() -> int:
@@ -117,14 +127,14 @@ class TestTimer:
         """A timer whose callback cannot be queued stays armed and fires on the retry."""
         clock, calls = FakeClock(), []
 
-        async def submit(req: CallbackRequest, input: Any, wait: bool) -> None:
+        def fire(req: CallbackRequest, input: Any) -> None:
             calls.append(input)
             if len(calls) == 1:
                 raise RuntimeError("queue broke")
 
         with structlog.testing.capture_logs() as logs:
             async with anyio.create_task_group() as tg:
-                arms = Arms(tg, clock, submit, lambda req, error: None)
+                arms = Arms(tg, clock, _no_submit, lambda req, error: None, fire=fire)
                 tg.start_soon(arms.run_timers)
                 deadline = clock.now() + 60
                 req = CallbackRequest("w", "_main_", "wake", 1, json.dumps({"deadline": deadline}))
@@ -141,11 +151,11 @@ class TestTimer:
         """`arm_timers` (recovery's way) skips keys armed already; each fires once, in order."""
         clock, fired = FakeClock(), []
 
-        async def submit(req: CallbackRequest, input: Any, wait: bool) -> None:
+        def fire(req: CallbackRequest, input: Any) -> None:
             fired.append((req.workflow_id, req.name))
 
         async with anyio.create_task_group() as tg:
-            arms = Arms(tg, clock, submit, lambda req, error: None)
+            arms = Arms(tg, clock, _no_submit, lambda req, error: None, fire=fire)
             tg.start_soon(arms.run_timers)
             now = clock.now()
             a1, a2, b = ("a", "_main_", "t1", 1), ("a", "t2", "t2", 1), ("b", "_main_", "t", 3)
@@ -163,6 +173,139 @@ class TestTimer:
             assert fired == [("a", "t1"), ("b", "t")]
             assert arms.armed("a") == set() and len(arms) == 0
             tg.cancel_scope.cancel()
+
+
+class _Counted(FakeClock):
+    """A fake clock that counts how often the timer loop went to sleep on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sleeps = 0
+
+    async def sleep_until(self, deadline: float) -> None:
+        self.sleeps += 1
+        await super().sleep_until(deadline)
+
+
+@dataclass
+class NoDefinition(Workflow):
+    """A workflow whose definition must not be built (re-arming a timer needs none)."""
+
+    def definition(self) -> Section:
+        raise AssertionError("the definition was built")
+
+
+@dataclass
+class Listening(Workflow):
+    """Waits on a listener and a signal; counts how often its definition is built."""
+
+    built: int = 0
+
+    def definition(self) -> Section:
+        self.built += 1
+        return S(Wait("nap", On("hear", _Listener(fails=0)), On("poke", Signal())))
+
+
+def _waiting(wid: str, events: list[WaitEvent], status: str = "Waiting") -> State:
+    """Return the state of a workflow whose main thread waits on `events`."""
+    thread = Thread("_main_", "main", ThreadStatus.WAITING_EVENT, "nap", wait_events=events)
+    return State(wid, "Test", WorkflowStatus(status), [thread])
+
+
+def _timer_event(wid: str, name: str, pc: int, deadline: float) -> WaitEvent:
+    data = json.dumps({"deadline": deadline})
+    return WaitEvent("timer", CallbackRequest(wid, "_main_", name, pc, data), EventStatus.SETUP)
+
+
+class TestBatches:
+    """Due timers are handed over in one wake; a re-arm builds no definition for a timer."""
+
+    async def test_timers_due_together_fire_in_one_wake_in_order(self) -> None:
+        """A thousand timers due by the same moment all fire after one wake, in deadline order."""
+        clock, fired = _Counted(), list[tuple[CallbackRequest, Any]]()
+        async with anyio.create_task_group() as tg:
+            arms = Arms(tg, clock, _no_submit, lambda req, error: None, fire=_append(fired))
+            now = clock.now()
+            # Armed in reverse, so that the order they fire in is the heap's.
+            arms.arm_timers(
+                ((f"w{i:04d}", "_main_", "t", 1), now + 10 + i / 1000) for i in range(1000)[::-1]
+            )
+            arms.arm_timer(("later", "_main_", "t", 1), now + 3600)
+            tg.start_soon(arms.run_timers)
+            await until(lambda: clock.sleeps == 1)
+            clock.advance(20)
+            await until(lambda: clock.sleeps == 2)  # asleep again, until the later one
+            assert [req.workflow_id for req, _ in fired] == [f"w{i:04d}" for i in range(1000)]
+            assert all(got["fired_at"] == now + 20 for _, got in fired)
+            assert len(arms) == 1 and arms.armed("w0000") == set()
+            tg.cancel_scope.cancel()
+
+    async def test_rearm_arms_a_new_timer_from_its_setup_data(self) -> None:
+        """A timer set up by a resume is armed from its stored deadline, without a definition."""
+        clock, fired = FakeClock(), list[tuple[CallbackRequest, Any]]()
+        async with anyio.create_task_group() as tg:
+            arms = Arms(tg, clock, _no_submit, lambda req, error: None, fire=_append(fired))
+            tg.start_soon(arms.run_timers)
+            due = clock.now() + 60
+            wf = NoDefinition()
+            state = _waiting("w", [_timer_event("w", "wake", 3, due)])
+            arms.rearm(wf, state)
+            arms.rearm(wf, state)  # nothing changed: nothing more armed
+            assert arms.armed("w") == {("w", "_main_", "wake", 3)} and len(arms) == 1
+            clock.advance(59)
+            await anyio.sleep(0.01)  # the window in which it must not fire early
+            assert fired == []
+            clock.advance(2)
+            await until(lambda: len(fired) == 1)
+            assert fired[0][1] == {"deadline": due, "fired_at": due + 1}
+            tg.cancel_scope.cancel()
+
+    async def test_rearm_drops_a_wait_that_moved_on(self) -> None:
+        """A wait handled or replaced by the next iteration (a new pc) is disarmed on re-arm."""
+        clock = FakeClock()
+        async with anyio.create_task_group() as tg:
+            arms = Arms(tg, clock, _no_submit, lambda req, error: None, fire=_no_fire)
+            wf, due = NoDefinition(), clock.now() + 60
+            arms.rearm(wf, _waiting("w", [_timer_event("w", "wake", 3, due)]))
+            arms.rearm(wf, _waiting("w", [_timer_event("w", "wake", 5, due)]))
+            assert arms.armed("w") == {("w", "_main_", "wake", 5)}
+            handled = _timer_event("w", "wake", 5, due)
+            handled.status = EventStatus.PENDING_TEARDOWN
+            arms.rearm(wf, _waiting("w", [handled], "Resuming"))
+            assert arms.armed("w") == set() and len(arms) == 0
+            arms.rearm(wf, _waiting("w", [_timer_event("w", "wake", 7, due)], "Finished"))
+            assert len(arms) == 0  # an ended workflow arms nothing
+            tg.cancel_scope.cancel()
+
+    async def test_rearm_builds_the_definition_for_other_waits_only(self) -> None:
+        """A listener is armed from its handler, so from the definition; a timer never needs it."""
+        wf, delivered = Listening(), anyio.Event()
+
+        async def submit(req: CallbackRequest, input: Any, wait: bool) -> None:
+            delivered.set()
+
+        async with anyio.create_task_group() as tg:
+            clock = FakeClock()
+            arms = Arms(tg, clock, submit, lambda req, error: None, fire=_no_fire)
+            hear = WaitEvent("test", CallbackRequest("w", "_main_", "hear", 2), EventStatus.SETUP)
+            arms.rearm(wf, _waiting("w", [hear]))
+            arms.rearm(wf, _waiting("w", [hear]))  # armed already: no definition needed
+            assert wf.built == 1 and arms.kinds() == {"timer": 0, "listener": 1}
+            with anyio.fail_after(10):
+                await delivered.wait()
+            poke = WaitEvent("signal", CallbackRequest("w", "_main_", "poke", 2), EventStatus.SETUP)
+            arms.rearm(wf, _waiting("w", [poke]))  # a signal: built, arms nothing
+            assert wf.built == 2 and len(arms) == 0
+            arms.rearm(wf, _waiting("w", [_timer_event("w", "wake", 4, clock.now() + 9)]))
+            assert wf.built == 2 and arms.kinds() == {"timer": 1, "listener": 0}
+            tg.cancel_scope.cancel()
+
+
+def _append(into: list[tuple[CallbackRequest, Any]]) -> Any:
+    def fire(req: CallbackRequest, input: Any) -> None:
+        into.append((req, input))
+
+    return fire
 
 
 class _Listener:
@@ -202,7 +345,9 @@ class TestListenFailed:
             delivered.set()
 
         async with anyio.create_task_group() as tg:
-            arms = Arms(tg, FakeClock(), submit, lambda req, e: broken.append((req, e)))
+            arms = Arms(
+                tg, FakeClock(), submit, lambda req, e: broken.append((req, e)), fire=_no_fire
+            )
             req = CallbackRequest("w", "_main_", "it", 3)
             arms.sync("w", {key_of(req): (req, _Listener(fails=1))})
             with anyio.fail_after(10):
@@ -220,7 +365,9 @@ class TestListenFailed:
             raise CallbackNotFound("gone")
 
         async with anyio.create_task_group() as tg:
-            arms = Arms(tg, FakeClock(), submit, lambda req, e: broken.append((req, e)))
+            arms = Arms(
+                tg, FakeClock(), submit, lambda req, e: broken.append((req, e)), fire=_no_fire
+            )
             req = CallbackRequest("w", "_main_", "it", 3)
             arms.sync("w", {key_of(req): (req, _Listener(fails=0))})
             await until(lambda: len(calls) == 2)  # retried after its 1 s backoff

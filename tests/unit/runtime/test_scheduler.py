@@ -1,0 +1,142 @@
+"""The scheduler in process: actors run as plain asyncio tasks that `Scheduler.run` hosts.
+
+Cancelling `run` cancels every actor and waits for it; an actor that raises ends `run` with
+its error, as a task group's child would end the group. The actors are real `Actor`s whose
+`run` is replaced, on a real runtime's parts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+from daemon.runtime.actor import Actor
+from daemon.runtime.runtime import Runtime
+from daemon.runtime.scheduler import Hold, Scheduler
+from daemon.runtime.work import Item
+from daemon.store.sqlite import SQLiteStore
+from tests.helpers.wait import until
+
+
+@dataclass(eq=False, kw_only=True)
+class Crashing(Actor):
+    """An actor whose run raises, as a bug outside its own guards would."""
+
+    async def run(self) -> None:
+        await anyio.lowlevel.checkpoint()
+        raise RuntimeError("boom")
+
+
+@dataclass(eq=False, kw_only=True)
+class Hanging(Actor):
+    """An actor that runs until cancelled, noting that it started and that it was cancelled."""
+
+    notes: list[str]
+
+    async def run(self) -> None:
+        self.notes.append("started")
+        try:
+            await anyio.sleep_forever()
+        finally:
+            self.notes.append("cancelled")
+
+
+@dataclass(eq=False, kw_only=True)
+class Stubborn(Actor):
+    """An actor that awaits again after its first cancellation (as one settling a write does)."""
+
+    notes: list[str]
+
+    async def run(self) -> None:
+        self.notes.append("started")
+        try:
+            await anyio.sleep_forever()
+        except asyncio.CancelledError:
+            self.notes.append("told once")
+            await anyio.sleep_forever()  # until told again
+        finally:
+            self.notes.append("ended")
+
+
+def _scheduler(rt: Runtime, make: Callable[..., Actor]) -> Scheduler:
+    return Scheduler(
+        cache=rt.cache,
+        hold=Hold(False),
+        new_actor=lambda wid: make(
+            workflow_id=wid,
+            store=rt.store,
+            cache=rt.cache,
+            arms=rt.arms,
+            clock=rt.clock,
+            settings=rt.settings,
+            limiter=rt.limiter,
+            on_leftover=lambda: None,
+        ),
+    )
+
+
+class TestActorTasks:
+    """Each actor is one asyncio task, owned by `Scheduler.run`."""
+
+    async def test_an_actor_is_a_plain_asyncio_task(self, tmp_path: Path) -> None:
+        """Submitting work starts one task for the workflow; its second item reuses it."""
+        notes: list[str] = []
+        async with SQLiteStore.open(tmp_path / "wf.db") as store, Runtime.open(store, {}) as rt:
+            scheduler = _scheduler(rt, lambda **kw: Hanging(notes=notes, **kw))
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(scheduler.run)
+                before = len(asyncio.all_tasks())
+                scheduler.submit("w", Item("resume"))
+                scheduler.submit("w", Item("resume"))
+                assert len(asyncio.all_tasks()) == before + 1
+                await until(lambda: notes == ["started"])
+                assert scheduler.running("w") and len(scheduler) == 1
+                tg.cancel_scope.cancel()
+        assert notes == ["started", "cancelled"]
+        assert not scheduler.running("w")
+
+    async def test_cancelling_run_cancels_every_actor_and_waits(self, tmp_path: Path) -> None:
+        """Once `run` returns from its cancellation, every actor has been cancelled and ended."""
+        notes: list[str] = []
+        async with SQLiteStore.open(tmp_path / "wf.db") as store, Runtime.open(store, {}) as rt:
+            scheduler = _scheduler(rt, lambda **kw: Hanging(notes=notes, **kw))
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(scheduler.run)
+                for i in range(20):
+                    scheduler.submit(f"w{i}", Item("resume"))
+                await until(lambda: notes.count("started") == 20)
+                tg.cancel_scope.cancel()
+            assert notes.count("cancelled") == 20
+            assert len(scheduler) == 0
+            with anyio.fail_after(5):
+                await scheduler.wait_idle()
+
+    async def test_an_actor_that_awaits_after_a_cancel_is_cancelled_again(
+        self, tmp_path: Path
+    ) -> None:
+        """Cancellation is not a single shot: an actor awaiting in its cleanup is told again."""
+        notes: list[str] = []
+        async with SQLiteStore.open(tmp_path / "wf.db") as store, Runtime.open(store, {}) as rt:
+            scheduler = _scheduler(rt, lambda **kw: Stubborn(notes=notes, **kw))
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(scheduler.run)
+                    scheduler.submit("w", Item("resume"))
+                    await until(lambda: notes == ["started"])
+                    tg.cancel_scope.cancel()
+            assert notes == ["started", "told once", "ended"] and len(scheduler) == 0
+
+    async def test_an_actor_that_raises_ends_run_with_its_error(self, tmp_path: Path) -> None:
+        """A crash is not swallowed: `run` raises it (the runtime's task group then ends)."""
+        async with SQLiteStore.open(tmp_path / "wf.db") as store, Runtime.open(store, {}) as rt:
+            scheduler = _scheduler(rt, Crashing)
+            scheduler.submit("w", Item("resume"))
+            with anyio.fail_after(5), pytest.raises(RuntimeError, match="boom"):
+                await scheduler.run()
+            assert not scheduler.running("w")
