@@ -142,6 +142,7 @@ async def measure_firing(
     window_s: float = WINDOW_S,
     cache_loggers: bool = True,
     batched: bool = True,
+    held: bool = True,
 ) -> list[dict[str, Any]]:
     """Measure the schedules' own part of a fire, in this process, with no workflow run.
 
@@ -150,13 +151,14 @@ async def measure_firing(
     workflows, not the schedules): a fire costs its plan, its batch, its rows' write, its two
     log lines, and the start up to the point where the workflow would run. Process CPU (every
     thread) over the window, divided by the fires made meanwhile. `batched=False` fires each
-    schedule on its own (one start and one write a fire), for comparison.
+    schedule on its own (one start and one write a fire), for comparison. `held=False` runs
+    the fired workflows too (in this process: the fire and its run, no control socket).
     """
     await anyio.Path(tmp).mkdir(parents=True, exist_ok=True)
     clock = SystemClock()
     made = {f"b{i:05d}": Schedule(f"b{i:05d}", "Stamp", every=every_s, overlap="allow")
             for i in range(schedules)}  # fmt: skip
-    settings = Settings(hold=True, cache_size=schedules * 4)
+    settings = Settings(hold=held, cache_size=schedules * 4)
     metrics = Metrics("bench")
     with production_logging(cache_loggers):  # cached, as workflowd does (False in a test)
         async with (
