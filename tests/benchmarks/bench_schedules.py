@@ -200,9 +200,11 @@ async def measure_firing(
 
 
 async def run(tmp: Path, schedules: int = SCHEDULES) -> list[dict[str, Any]]:
-    """Measure a tenth of the schedules (a load the daemon keeps up with), then all of them,
-    then the fires alone; the difference is what each fired workflow's run costs."""
+    """Measure a tenth of the schedules (a load the daemon keeps up with), half, then all of
+    them (the curve of lateness against load), then the fires alone; the difference is what
+    each fired workflow's run costs."""
     moderate = await measure(tmp / "moderate", max(1, schedules // 10), label="_moderate")
+    half = await measure(tmp / "half", max(1, schedules // 2), label=f"_{schedules // 2}")
     full = await measure(tmp / "full", schedules)
     firing = await measure_firing(tmp / "firing", schedules)
     (total,) = (f for f in full if f["metric"] == "daemon_cpu_per_fire_us")
@@ -214,4 +216,4 @@ async def run(tmp: Path, schedules: int = SCHEDULES) -> list[dict[str, Any]]:
         schedules=schedules,
         mode="daemon_cpu_per_fire_us minus cpu_per_fire_us",
     )
-    return [*moderate, *full, *firing, run_cost]
+    return [*moderate, *half, *full, *firing, run_cost]
