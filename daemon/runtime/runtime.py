@@ -372,17 +372,18 @@ class Runtime:
         out: builtins.list[dict[str, Any] | Exception] = [{}] * len(starts)
         made: builtins.list[tuple[int, Loaded, WorkflowRow, str]] = []
         rows: builtins.list[tuple[WorkflowRow, History]] = []
-        #: (type, input) -> a workflow built from them: a schedule's fires share their input.
-        built: dict[tuple[str, int], Workflow] = {}
+        #: (type, input as JSON) -> a workflow built from them: schedules share their input.
+        built: dict[tuple[str, bytes | None], Workflow] = {}
         for i, (workflow, wid, input) in enumerate(starts):
-            like = built.get((workflow, id(input)))
+            key = (workflow, _input_key(input))
+            like = built.get(key) if key[1] is not None else None
             try:
                 loaded, row, history = self._new_row(workflow, wid, input, None, None, like=like)
             except Exception as e:  # noqa: BLE001 - answered to its caller, the others go on
                 out[i] = e
                 continue
-            if like is None and _scalars_only(loaded.wf):
-                built[workflow, id(input)] = loaded.wf
+            if like is None and key[1] is not None and _scalars_only(loaded.wf):
+                built[key] = loaded.wf
             made.append((i, loaded, row, workflow))
             rows.append((row, history))
         if not rows:
@@ -782,6 +783,16 @@ def summary(
 
 
 _SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
+def _input_key(input: dict[str, Any] | None) -> bytes | None:
+    """Return a start's input as JSON (equal inputs, equal keys), or None if it is not JSON."""
+    if not input:
+        return b""
+    try:
+        return msgspec.json.encode(input)
+    except (TypeError, msgspec.EncodeError):
+        return None
 
 
 def _scalars_only(wf: Workflow) -> bool:
