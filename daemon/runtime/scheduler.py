@@ -111,7 +111,8 @@ class Scheduler:
 
         Each runs in a cancel scope of its own, cancelled when this task is, so a shutdown
         reaches it as it would reach a task of the group (a shielded commit still finishes).
-        An actor that raises ends this task with its error once the others are done.
+        An actor that raises cancels the others and ends this task with its error, as a task
+        of the group would end the group.
         """
         loop = asyncio.get_running_loop()
         scopes = [anyio.CancelScope() for _ in actors]
@@ -120,7 +121,7 @@ class Scheduler:
             for scope, actor in zip(scopes, actors, strict=True)
         ]
         try:
-            await asyncio.wait(tasks)
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         finally:
             pending = [t for t in tasks if not t.done()]
             if pending:
