@@ -382,7 +382,7 @@ class Runtime:
             except Exception as e:  # noqa: BLE001 - answered to its caller, the others go on
                 out[i] = e
                 continue
-            if like is None and key[1] is not None and _scalars_only(loaded.wf):
+            if like is None and key[1] is not None and _copyable(loaded.wf):
                 built[key] = loaded.wf
             made.append((i, loaded, row, workflow))
             rows.append((row, history))
@@ -416,8 +416,8 @@ class Runtime:
     ) -> tuple[Loaded, WorkflowRow, History]:
         """Make a new workflow's row and its first history entry, not yet written.
 
-        `like` is a workflow just built from the same type and input, whose fields hold only
-        scalars: copied, it is this one's data at a fraction of the cost of building it.
+        `like` is a workflow just built from the same type and input that `_copyable` allows:
+        copied, it is this one's data at a fraction of the cost of building it.
         """
         cls = self.cache.workflow_type(workflow)
         wid = workflow_id or uuid.uuid4().hex
@@ -795,18 +795,27 @@ def _input_key(input: dict[str, Any] | None) -> bytes | None:
         return None
 
 
-def _scalars_only(wf: Workflow) -> bool:
-    """Tell whether a workflow's fields all hold scalars, in its `__dict__` (a copy may share them)."""
+def _copyable(wf: Workflow) -> bool:
+    """Tell whether a copy of `wf` is what building another from its input would give.
+
+    It is when its fields all hold scalars, in its `__dict__` (a copy may share them), and
+    nothing makes a value per instance: no `default_factory` (a uuid, a time), no
+    `__post_init__`.
+    """
+    cls = type(wf)
     attrs = getattr(wf, "__dict__", None)
     return (
         attrs is not None
         and not hasattr(wf, "__slots__")
+        and not hasattr(cls, "__post_init__")
+        and dataclasses.is_dataclass(cls)
+        and all(f.default_factory is dataclasses.MISSING for f in dataclasses.fields(cls))
         and _SCALARS.issuperset(map(type, attrs.values()))
     )
 
 
 def _copy(wf: Workflow) -> Workflow:
-    """Return a shallow copy of a workflow whose fields hold only scalars (`_scalars_only`)."""
+    """Return a shallow copy of a workflow that `_copyable` allows."""
     twin = object.__new__(type(wf))
     twin.__dict__.update(wf.__dict__)
     return twin

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -146,8 +147,18 @@ class Sleeper(Workflow):
         return S(Step("nap", self.nap))
 
 
+@dataclass
+class Tokened(Workflow):
+    """Gets a token of its own when it is made (a default that differs per instance)."""
+
+    token: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def definition(self) -> Section:
+        return S(Step("noop", lambda: None))
+
+
 REGISTRY: dict[str, type[Workflow]] = {
-    c.name: c for c in (Counter, Approval, Flaky, Parallel, Broken, Sleeper)
+    c.name: c for c in (Counter, Approval, Flaky, Parallel, Broken, Sleeper, Tokened)
 }
 
 
@@ -244,6 +255,18 @@ class TestStartMany:
             assert (await wait_runtime_status(rt, "none", "Finished"))["data"]["i"] == 5
             assert shared == {"upto": 3}
             assert await rt.store.get("bad") is None and await rt.store.get("nope") is None
+
+    async def test_defaults_made_per_instance_stay_so(self, tmp_path: Path) -> None:
+        """A field whose default is made per instance (a token) differs between the starts."""
+        async with running(tmp_path / "wf.db") as rt:
+            assert isinstance(rt.store, SQLiteStore)
+            starts = [("Tokened", f"t{i}", None) for i in range(10)]
+            await rt.start_many(starts, create=create_each(rt.store))
+            tokens = {
+                (await wait_runtime_status(rt, f"t{i}", "Finished"))["data"]["token"]
+                for i in range(10)
+            }
+            assert len(tokens) == 10
 
     async def test_held(self, tmp_path: Path) -> None:
         """Under `--hold` the batch's workflows are created and parked, not run."""
