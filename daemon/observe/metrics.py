@@ -131,6 +131,7 @@ class Metrics:
             ("schedule", "outcome"),
             registry=r,
         )
+        self._fire_children: dict[tuple[str, str], Counter] = {}
         info = Gauge("workflowd_build_info", "The running version.", ("version",), registry=r)
         info.labels(version).set(1)
         self._shown: set[tuple[str, str]] = set()
@@ -163,7 +164,12 @@ class Metrics:
 
     def schedule_fire(self, schedule: str, outcome: str, n: int = 1) -> None:
         """Count schedule fires: `fired`, `caught_up`, `manual`, `skipped`, `buffered`, `failed`."""
-        self._fires.labels(schedule, outcome).inc(n)
+        # The labelled child, kept: `labels` checks and joins its values on every call, ~5 µs,
+        # and 10,000 schedules every second count 10,000 fires a second.
+        child = self._fire_children.get((schedule, outcome))
+        if child is None:
+            child = self._fire_children[schedule, outcome] = self._fires.labels(schedule, outcome)
+        child.inc(n)
 
     # -- scraping ---------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from daemon.core.definition import Definition
 from daemon.core.handler import CallbackRequest
 from daemon.core.lint import Finding, lint_workflow
 from daemon.core.state import FINAL_STATUSES, EventStatus, State, WorkflowStatus
-from daemon.core.workflow import timeout_of
+from daemon.core.workflow import Workflow, timeout_of
 from daemon.errors import BadRequest, CallbackNotFound, Conflict, Unavailable, WorkflowNotFound
 from daemon.observe.metrics import Metrics
 from daemon.runtime.actor import Actor
@@ -381,26 +381,36 @@ class Runtime:
         out: builtins.list[dict[str, Any] | Exception] = [{}] * len(starts)
         made: builtins.list[tuple[int, Loaded, WorkflowRow, str]] = []
         rows: builtins.list[tuple[WorkflowRow, History]] = []
+        #: (type, input as JSON) -> a workflow built from them: schedules share their input.
+        built: dict[tuple[str, bytes | None], Workflow] = {}
         for i, (workflow, wid, input) in enumerate(starts):
+            key = (workflow, _input_key(input))
+            like = built.get(key) if key[1] is not None else None
             try:
-                loaded, row, history = self._new_row(workflow, wid, input, None, None)
+                loaded, row, history = self._new_row(workflow, wid, input, None, None, like=like)
             except Exception as e:  # noqa: BLE001 - answered to its caller, the others go on
                 out[i] = e
                 continue
+            if like is None and key[1] is not None and _copyable(loaded.wf):
+                built[key] = loaded.wf
             made.append((i, loaded, row, workflow))
             rows.append((row, history))
         if not rows:
             return out
         created = await create(rows)
+        launched: builtins.list[str] = []
         for (i, loaded, row, workflow), inserted in zip(made, created, strict=True):
             try:
-                out[i] = (
-                    self._launch(loaded, row)
-                    if inserted
-                    else await self._existing(row.id, workflow)
-                )
+                if inserted:
+                    out[i] = self._launch(loaded, row, submit=False)
+                    launched.append(row.id)
+                else:
+                    out[i] = await self._existing(row.id, workflow)
             except Exception as e:  # noqa: BLE001 - answered to its caller, the others go on
                 out[i] = e
+        if launched and self.leases is None:
+            # Their first resumes: one task for the batch's actors, not one task each.
+            self.scheduler.submit_many(launched, "resume")
         return out
 
     def _new_row(
@@ -410,11 +420,17 @@ class Runtime:
         input: dict[str, Any] | None,
         parent: str | None,
         timeout_s: float | None,
+        *,
+        like: Workflow | None = None,
     ) -> tuple[Loaded, WorkflowRow, History]:
-        """Make a new workflow's row and its first history entry, not yet written."""
+        """Make a new workflow's row and its first history entry, not yet written.
+
+        `like` is a workflow just built from the same type and input that `_copyable` allows:
+        copied, it is this one's data at a fraction of the cost of building it.
+        """
         cls = self.cache.workflow_type(workflow)
         wid = workflow_id or uuid.uuid4().hex
-        wf = cls.from_input(input)
+        wf = _copy(like) if like is not None and type(like) is cls else cls.from_input(input)
         state = State.new(wid, workflow)
         now = time.time()
         if timeout_s is not None and not (0 < timeout_s < float("inf")):
@@ -450,8 +466,8 @@ class Runtime:
             )
         return {"workflow_id": wid, "status": existing.status, "created": False}
 
-    def _launch(self, loaded: Loaded, row: WorkflowRow) -> dict[str, Any]:
-        """Run a workflow whose row was just written."""
+    def _launch(self, loaded: Loaded, row: WorkflowRow, *, submit: bool = True) -> dict[str, Any]:
+        """Run a workflow whose row was just written (`submit=False`: the caller queues it)."""
         wid = row.id
         log.info("workflow_started", workflow_id=wid, workflow=row.name, parent=row.parent)
         if self.leases is not None:  # whichever daemon is free claims it (woken by a NOTIFY)
@@ -459,7 +475,8 @@ class Runtime:
         if row.deadline is not None:
             self.deadlines.add(wid, row.deadline)
         self.cache.remember(loaded)
-        self.scheduler.submit(wid, Item("resume"))
+        if submit:
+            self.scheduler.submit(wid, Item("resume"))
         return {"workflow_id": wid, "status": loaded.state.status.value, "created": True}
 
     async def send(
@@ -772,6 +789,45 @@ def summary(
         "parent": row.parent,
         "running": running or [],
     }
+
+
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
+def _input_key(input: dict[str, Any] | None) -> bytes | None:
+    """Return a start's input as JSON (equal inputs, equal keys), or None if it is not JSON."""
+    if not input:
+        return b""
+    try:
+        return msgspec.json.encode(input)
+    except (TypeError, msgspec.EncodeError):
+        return None
+
+
+def _copyable(wf: Workflow) -> bool:
+    """Tell whether a copy of `wf` is what building another from its input would give.
+
+    It is when its fields all hold scalars, in its `__dict__` (a copy may share them), and
+    nothing makes a value per instance: no `default_factory` (a uuid, a time), no
+    `__post_init__`.
+    """
+    cls = type(wf)
+    attrs = getattr(wf, "__dict__", None)
+    return (
+        attrs is not None
+        and not hasattr(wf, "__slots__")
+        and not hasattr(cls, "__post_init__")
+        and dataclasses.is_dataclass(cls)
+        and all(f.default_factory is dataclasses.MISSING for f in dataclasses.fields(cls))
+        and _SCALARS.issuperset(map(type, attrs.values()))
+    )
+
+
+def _copy(wf: Workflow) -> Workflow:
+    """Return a shallow copy of a workflow that `_copyable` allows."""
+    twin = object.__new__(type(wf))
+    twin.__dict__.update(wf.__dict__)
+    return twin
 
 
 def _cancelled_again(workflow_id: str, status: str) -> dict[str, Any]:

@@ -142,6 +142,7 @@ async def measure_firing(
     window_s: float = WINDOW_S,
     cache_loggers: bool = True,
     batched: bool = True,
+    held: bool = True,
 ) -> list[dict[str, Any]]:
     """Measure the schedules' own part of a fire, in this process, with no workflow run.
 
@@ -150,13 +151,14 @@ async def measure_firing(
     workflows, not the schedules): a fire costs its plan, its batch, its rows' write, its two
     log lines, and the start up to the point where the workflow would run. Process CPU (every
     thread) over the window, divided by the fires made meanwhile. `batched=False` fires each
-    schedule on its own (one start and one write a fire), for comparison.
+    schedule on its own (one start and one write a fire), for comparison. `held=False` runs
+    the fired workflows too (in this process: the fire and its run, no control socket).
     """
     await anyio.Path(tmp).mkdir(parents=True, exist_ok=True)
     clock = SystemClock()
     made = {f"b{i:05d}": Schedule(f"b{i:05d}", "Stamp", every=every_s, overlap="allow")
             for i in range(schedules)}  # fmt: skip
-    settings = Settings(hold=True, cache_size=schedules * 4)
+    settings = Settings(hold=held, cache_size=schedules * 4)
     metrics = Metrics("bench")
     with production_logging(cache_loggers):  # cached, as workflowd does (False in a test)
         async with (
@@ -198,9 +200,11 @@ async def measure_firing(
 
 
 async def run(tmp: Path, schedules: int = SCHEDULES) -> list[dict[str, Any]]:
-    """Measure a tenth of the schedules (a load the daemon keeps up with), then all of them,
-    then the fires alone; the difference is what each fired workflow's run costs."""
+    """Measure a tenth of the schedules (a load the daemon keeps up with), half, then all of
+    them (the curve of lateness against load), then the fires alone; the difference is what
+    each fired workflow's run costs."""
     moderate = await measure(tmp / "moderate", max(1, schedules // 10), label="_moderate")
+    half = await measure(tmp / "half", max(1, schedules // 2), label=f"_{schedules // 2}")
     full = await measure(tmp / "full", schedules)
     firing = await measure_firing(tmp / "firing", schedules)
     (total,) = (f for f in full if f["metric"] == "daemon_cpu_per_fire_us")
@@ -212,4 +216,4 @@ async def run(tmp: Path, schedules: int = SCHEDULES) -> list[dict[str, Any]]:
         schedules=schedules,
         mode="daemon_cpu_per_fire_us minus cpu_per_fire_us",
     )
-    return [*moderate, *full, *firing, run_cost]
+    return [*moderate, *half, *full, *firing, run_cost]

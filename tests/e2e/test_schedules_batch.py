@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 
 from tests.helpers.harness import running_daemon
-from tests.helpers.wait import eventually
+from tests.helpers.wait import eventually, wait_status
 from tests.workflows.schedules import SCHEDULES_ENV
 
 MODULES = ["tests.workflows.schedules"]
@@ -103,6 +103,60 @@ class TestManyAtOnce:
             )
         ids = {r[0] for r in query(db, "SELECT id FROM workflows")}
         assert {wid for *_, wid in rows} <= ids
+        started = query(
+            db, "SELECT workflow_id, COUNT(*) FROM history WHERE kind = 'started' GROUP BY 1"
+        )
+        assert {n for _, n in started} == {1}
+
+
+class TestBatchStartedRuns:
+    async def test_cancel_stop_and_restart(self, tmp_path: Path) -> None:
+        """The runs a batch of fires starts share one task: each still takes a cancel in its
+        step, a stop ends them all cleanly, and after a restart each runs again and finishes."""
+        flag = tmp_path / "wake"
+        env = env_of(
+            *(
+                {"name": f"d{i:03d}", "workflow": "Dozes", "every": 1, "input": {"flag": str(flag)}}
+                for i in range(MANY)
+            )
+        )
+        async with running_daemon(
+            tmp_path, MODULES, env=env, daemon={"shutdown_grace_s": 0.5}
+        ) as d:
+            db = d.tmp / "wd.db"
+            async with d.client() as c:
+
+                async def all_in_their_step() -> bool:
+                    return bool((await c.call("ping"))["busy"] >= MANY)
+
+                # overlap="skip": each schedule's first run stays in its step, the rest skip.
+                await eventually(all_in_their_step, limit_s=60)
+                ((victim,),) = query(db, "SELECT id FROM workflows WHERE id LIKE 'd007:%'")
+                await c.call("cancel", workflow_id=victim)
+                await wait_status(c, victim, "Cancelled", limit_s=10)
+            code = await d.stop()
+            assert code == 0, d.output()
+            assert "Traceback" not in d.output()
+            stopped = dict(query(db, "SELECT id, status FROM workflows"))
+            assert len(stopped) == MANY
+            assert {s for w, s in stopped.items() if w != victim} == {"Resuming"}
+            flag.touch()
+            await d.start()
+
+            def first_runs() -> dict[str, tuple[str, Any]]:
+                rows = query(db, "SELECT id, status, data FROM workflows")
+                return {w: (s, json.loads(data)) for w, s, data in rows if w in stopped}
+
+            async def all_woke() -> bool:
+                return all(s != "Resuming" for s, _ in first_runs().values())
+
+            await eventually(all_woke, limit_s=60)
+            runs = first_runs()
+            await d.stop()
+        assert {w: s for w, (s, _) in runs.items()} == {
+            w: "Cancelled" if w == victim else "Finished" for w in stopped
+        }
+        assert all(data["woke"] for w, (_, data) in runs.items() if w != victim)
         started = query(
             db, "SELECT workflow_id, COUNT(*) FROM history WHERE kind = 'started' GROUP BY 1"
         )

@@ -11,6 +11,8 @@ import json
 import os
 from dataclasses import dataclass
 
+import anyio
+
 from daemon import On, S, Schedule, Section, Step, Wait, Workflow
 from handlers import Signal, Timer
 
@@ -51,6 +53,23 @@ class Lingers(Workflow):
                 On("linger_over", Timer(after=self.linger_s)),
             )
         )
+
+
+@dataclass
+class Dozes(Workflow):
+    """Its one step waits until the file `flag` exists: a fired run that stays in its step."""
+
+    flag: str = ""
+    woke: bool = False
+
+    async def doze(self) -> None:
+        # The flag comes from another process (the test): no event to wait on, only the file.
+        while not await anyio.Path(self.flag).exists():  # noqa: ASYNC110 - see above
+            await anyio.sleep(0.05)
+        self.woke = True
+
+    def definition(self) -> Section:
+        return S(Step("doze", self.doze))
 
 
 def _from_env() -> dict[str, Schedule]:

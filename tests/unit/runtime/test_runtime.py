@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,9 +29,16 @@ from daemon import (
     Workflow,
 )
 from daemon.clock import FakeClock
-from daemon.errors import Conflict, HandlerRejected, UnknownWorkflowType, WorkflowNotFound
-from daemon.runtime.runtime import Runtime
+from daemon.errors import (
+    BadRequest,
+    Conflict,
+    HandlerRejected,
+    UnknownWorkflowType,
+    WorkflowNotFound,
+)
+from daemon.runtime.runtime import CreateMany, Runtime
 from daemon.runtime.settings import Settings
+from daemon.store.base import History, WorkflowRow
 from daemon.store.sqlite import SQLiteStore
 from handlers import Signal, Timer
 from tests.helpers.wait import eventually, until, wait_runtime_status
@@ -128,8 +136,29 @@ class Broken(Workflow):
         return S(Wait("w", Step("oops", print)))  # type: ignore[arg-type]
 
 
+@dataclass
+class Sleeper(Workflow):
+    """One async step that sleeps an hour: a run still in its step."""
+
+    async def nap(self) -> None:
+        await anyio.sleep(3600)
+
+    def definition(self) -> Section:
+        return S(Step("nap", self.nap))
+
+
+@dataclass
+class Tokened(Workflow):
+    """Gets a token of its own when it is made (a default that differs per instance)."""
+
+    token: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def definition(self) -> Section:
+        return S(Step("noop", lambda: None))
+
+
 REGISTRY: dict[str, type[Workflow]] = {
-    c.name: c for c in (Counter, Approval, Flaky, Parallel, Broken)
+    c.name: c for c in (Counter, Approval, Flaky, Parallel, Broken, Sleeper, Tokened)
 }
 
 
@@ -187,6 +216,83 @@ class TestStart:
             with pytest.raises(Exception, match="no field"):
                 await rt.start("Counter", "x", {"bogus": 1})
             assert await rt.list() == []
+
+
+def create_each(store: SQLiteStore) -> CreateMany:
+    """Return a `start_many` writer that creates each row on its own."""
+
+    async def create(rows: Sequence[tuple[WorkflowRow, History]]) -> list[bool]:
+        return [await store.create(row, history) for row, history in rows]
+
+    return create
+
+
+class TestStartMany:
+    """Starting many workflows with one write (a batch of schedule fires)."""
+
+    async def test_each_runs_on_its_own_data(self, tmp_path: Path) -> None:
+        """Starts sharing one input each get their own data; a bad one or an existing id gets
+        its own answer and the others run to the end."""
+        shared = {"upto": 3}
+        async with running(tmp_path / "wf.db") as rt:
+            assert isinstance(rt.store, SQLiteStore)
+            await rt.start("Counter", "old")
+            starts: list[tuple[str, str, dict[str, Any] | None]] = [
+                *((("Counter", f"c{i}", shared)) for i in range(20)),
+                ("Counter", "none", None),
+                ("Counter", "bad", {"bogus": 1}),
+                ("Nope", "nope", None),
+                ("Counter", "old", shared),
+            ]
+            out = await rt.start_many(starts, create=create_each(rt.store))
+            assert [r["created"] for r in out[:21] if isinstance(r, dict)] == [True] * 21
+            assert isinstance(out[21], BadRequest) and isinstance(out[22], UnknownWorkflowType)
+            old = out[23]
+            assert isinstance(old, dict) and old["created"] is False and old["workflow_id"] == "old"
+            for i in range(20):
+                shown = await wait_runtime_status(rt, f"c{i}", "Finished")
+                assert shown["data"] == {"upto": 3, "i": 3}
+            assert (await wait_runtime_status(rt, "none", "Finished"))["data"]["i"] == 5
+            assert shared == {"upto": 3}
+            assert await rt.store.get("bad") is None and await rt.store.get("nope") is None
+
+    async def test_defaults_made_per_instance_stay_so(self, tmp_path: Path) -> None:
+        """A field whose default is made per instance (a token) differs between the starts."""
+        async with running(tmp_path / "wf.db") as rt:
+            assert isinstance(rt.store, SQLiteStore)
+            starts = [("Tokened", f"t{i}", None) for i in range(10)]
+            await rt.start_many(starts, create=create_each(rt.store))
+            tokens = {
+                (await wait_runtime_status(rt, f"t{i}", "Finished"))["data"]["token"]
+                for i in range(10)
+            }
+            assert len(tokens) == 10
+
+    async def test_held(self, tmp_path: Path) -> None:
+        """Under `--hold` the batch's workflows are created and parked, not run."""
+        async with running(tmp_path / "wf.db", hold=True) as rt:
+            assert isinstance(rt.store, SQLiteStore)
+            starts = [("Counter", f"h{i}", None) for i in range(5)]
+            await rt.start_many(starts, create=create_each(rt.store))
+            assert set(rt.scheduler.hold.parked) == {f"h{i}" for i in range(5)}
+            assert len(rt.scheduler) == 0
+            assert {r["status"] for r in await rt.list()} == {"Resuming"}
+
+    async def test_stop_with_the_batch_in_its_steps(self, tmp_path: Path) -> None:
+        """A runtime stops at once while the runs of a batch are in their steps."""
+        with anyio.fail_after(10):
+            async with running(tmp_path / "wf.db") as rt:
+                assert isinstance(rt.store, SQLiteStore)
+                starts = [("Sleeper", f"s{i}", None) for i in range(50)]
+                await rt.start_many(starts, create=create_each(rt.store))
+
+                async def all_napping() -> bool:
+                    return rt.busy() == 50
+
+                await eventually(all_napping)
+            async with running(tmp_path / "wf.db") as rt:
+                # Recovered: each is resumed again, its step running once more.
+                await eventually(all_napping)
 
 
 class TestCallbacks:
