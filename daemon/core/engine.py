@@ -324,11 +324,16 @@ _RUN: dict[type[Stmt], Callable[[_Cursor, Any], _Stop]] = {
 class _Resumer:
     """One `resume` call: the definition is rebuilt only after the data may have changed."""
 
-    def __init__(self, wf: Definable, state: State, checkpoint: Checkpoint):
+    def __init__(
+        self, wf: Definable, state: State, checkpoint: Checkpoint, defn: Definition | None = None
+    ):
         self.wf, self.state, self.checkpoint = wf, state, checkpoint
-        self._root: Section | None = wf.definition()
-        # Validated once per call, as the seed does; rebuilds are indexed only when needed.
-        self._defn: Definition | None = Definition(self.root)
+        # Validated once per call, as the seed does (or by whoever built `defn` from the data
+        # as it is now); rebuilds are indexed only when needed.
+        if defn is None:
+            defn = Definition(wf.definition())
+        self._root: Section | None = defn.root
+        self._defn: Definition | None = defn
         # What cursors stopped at in the current tree, so most lookups need no index:
         # the Step each thread runs next (by thread id) and the cases of Waits (by event).
         self.ready: dict[str, Step] = {}
@@ -350,6 +355,11 @@ class _Resumer:
         if self._root is None:
             self._root = self.wf.definition()
         return self._root
+
+    @property
+    def current(self) -> Definition | None:
+        """Return the indexed tree if it was built from the data as it is now, else None."""
+        return self._defn
 
     def rebuild(self) -> None:
         # Built when next needed: several steps may complete (and merge) before that. Most
@@ -486,7 +496,8 @@ async def resume(
     run_step: StepRunner = _run_step,
     steps: Steps | None = None,
     on_conflict: OnConflict = _ignore_conflict,
-) -> None:
+    definition: Definition | None = None,
+) -> Definition | None:
     """Run the workflow until every thread is blocked or it has finished.
 
     Each thread's step runs against its own fork of the data, through `steps` (by default
@@ -494,11 +505,15 @@ async def resume(
     changes are merged into `wf` when it ends (see daemon.core.merge). A checkpoint is taken
     before waiting for steps, so it holds the completed ones and those in flight, never a
     half-done step.
+
+    `definition`, if given, is the Definition built from the data as it is now (it saves a
+    build). Returns the Definition of the data as the resume leaves it, if it has one built
+    (None when the data changed since the last build), for the caller to pass on.
     """
     if state.status in FINAL_STATUSES:
         raise WorkflowdError(f"workflow {state.id} is already {state.status}")
     runner = steps if steps is not None else _Inline(run_step)
-    r = _Resumer(wf, state, checkpoint)
+    r = _Resumer(wf, state, checkpoint, definition)
     state.pc += 1
     await r.teardown()
     #: Threads whose step is in flight, and those whose step was not run (stopping).
@@ -548,11 +563,23 @@ async def resume(
         drop_ended_threads(state)
     await r.setup()
     state.update_status()
+    return r.current
 
 
-async def handle_callback(req: CallbackRequest, wf: Definable, state: State, input: Any) -> Any:
-    """Apply an event to the thread waiting for it and return the handler's output."""
-    defn = Definition(wf.definition())
+async def handle_callback(
+    req: CallbackRequest,
+    wf: Definable,
+    state: State,
+    input: Any,
+    *,
+    definition: Definition | None = None,
+) -> Any:
+    """Apply an event to the thread waiting for it and return the handler's output.
+
+    `definition`, if given, is the Definition built from the data as it is now (it saves a
+    build); once the handler has run, it may no longer be.
+    """
+    defn = definition if definition is not None else Definition(wf.definition())
     if state.status in FINAL_STATUSES:
         raise CallbackNotFound(f"workflow {state.id} is {state.status}; it waits for nothing")
     thread, event = _find_waiting(state, req)

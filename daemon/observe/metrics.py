@@ -101,6 +101,8 @@ class Metrics:
             ("outcome",),
             registry=r,
         )
+        # The labelled children by outcome: `labels()` takes a lock and builds a key per call.
+        self._callback_counts: dict[str, Counter] = {}
         self._waits = Gauge(
             "workflowd_waits_armed", "Waits armed now, by kind.", ("kind",), registry=r
         )
@@ -151,7 +153,10 @@ class Metrics:
 
     def callback(self, outcome: str) -> None:
         """Count one callback: `applied` or `rejected`."""
-        self._callbacks.labels(outcome).inc()
+        child = self._callback_counts.get(outcome)
+        if child is None:
+            child = self._callback_counts[outcome] = self._callbacks.labels(outcome)
+        child.inc()
 
     def timer_fired(self, late_s: float) -> None:
         """Note how late a timer fired."""

@@ -365,6 +365,9 @@ class Actor:
 
         # Failed attempts stored before a restart count for the threads that were running.
         attempts = {t.id: loaded.attempt for t in loaded.state.threads if t.status is _EXECUTING}
+        # Taken off the workflow while the resume runs: steps change the data.
+        defn, cls = loaded.definition(), type(loaded.wf)
+        loaded.keep(None)
 
         async def on_retry(detail: dict[str, Any], attempt: int, error: str, due: float) -> None:
             await self._retry_due(loaded, detail, attempt, error, due)
@@ -385,12 +388,13 @@ class Actor:
                 ) as self.pool:
                     if self._stop:  # shutdown began while this resume was being set up
                         self.pool.stop()
-                    await resume(
+                    defn = await resume(
                         loaded.wf,
                         loaded.state,
                         checkpoint,
                         steps=self.pool,
                         on_conflict=self._conflict,
+                        definition=defn,
                     )
             except WorkflowLost:
                 raise  # not a failure of the workflow: another daemon runs it now
@@ -401,6 +405,8 @@ class Actor:
                 self._stale = self._stale or (self.pool is not None and self.pool.stale)
                 self.pool = None
         self._scope = None
+        if type(loaded.wf) is cls:  # a reload may have switched its class meanwhile
+            loaded.keep(defn)
         if self._cancelling or self._lost:
             return
         if loaded.state.status is WorkflowStatus.FINISHED:
@@ -424,7 +430,7 @@ class Actor:
         else:
             loaded.attempt, loaded.error = 0, None
         await self._save(loaded)
-        self.arms.rearm(loaded.wf, loaded.state)
+        loaded.keep(self.arms.rearm(loaded.wf, loaded.state, loaded.definition()))
 
     async def _listen_failed(self, loaded: Loaded, item: Item) -> None:
         """Record an armed wait whose listener failed as a setup error, retried with backoff."""
@@ -531,8 +537,12 @@ class Actor:
         assert item.req is not None
         reply = item.reply or Reply()
         event = item.req.name
+        defn = loaded.definition()
+        loaded.keep(None)  # the handler changes the data
         try:
-            out = await handle_callback(item.req, loaded.wf, loaded.state, item.input)
+            out = await handle_callback(
+                item.req, loaded.wf, loaded.state, item.input, definition=defn
+            )
         except WorkflowdError as e:
             await self._reject(loaded, item, reply, e)
             return
@@ -553,7 +563,7 @@ class Actor:
             received["thread"] = thread
         self._history.append(("callback_received", received))
         log.info("callback_received", event_name=event, thread=item.req.thread_id or None)
-        self.arms.rearm(loaded.wf, loaded.state)
+        loaded.keep(self.arms.rearm(loaded.wf, loaded.state))
         if _rides_along(item, loaded):
             if item.reply is None and item.inbox_id is None:
                 # A fired timer has no sender to answer: it is saved with the resume that

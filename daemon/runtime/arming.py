@@ -121,7 +121,9 @@ class Arms:
             if key not in self._timers and key not in self._listeners:
                 self._arm(key, req, handler)
 
-    def rearm(self, wf: Definable, state: State) -> None:
+    def rearm(
+        self, wf: Definable, state: State, definition: Definition | None = None
+    ) -> Definition | None:
         """Make the armed waits of a workflow match its state.
 
         Runs after every callback and resume, so it is cheap for timers: a wait armed already
@@ -130,6 +132,8 @@ class Arms:
         its handler; a signal arms nothing, but building the definition after a callback is
         also what finds data, left by a handler, that the definition can no longer be built
         from, before that is saved (the callback is answered with the error, nothing kept).
+        `definition`, if given, is the one built from the data as it is now (no build then).
+        Returns the Definition used, if one was (for the caller to pass on), else `definition`.
         """
         wid, timers, listeners = state.id, self._timers, self._listeners
         keep: set[Key] = set()
@@ -157,11 +161,14 @@ class Arms:
             self.arm_timers(new_timers)
         if new:
             # Building the definition is the costly part, hence only here.
-            events = Definition(wf.definition()).events
+            if definition is None:
+                definition = Definition(wf.definition())
+            events = definition.events
             for key, req in new:
                 on = events.get(req.name)
                 if on is not None:
                     self._arm(key, req, on.handler)
+        return definition
 
     def _arm(self, key: Key, req: CallbackRequest, handler: Handler) -> None:
         deadline_of = getattr(handler, "deadline", None)

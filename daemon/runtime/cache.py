@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from daemon.core.definition import Definition
 from daemon.core.state import State
 from daemon.core.workflow import Workflow
 from daemon.errors import Conflict, UnknownWorkflowType, WorkflowNotFound
@@ -25,6 +26,20 @@ class Loaded:
     attempt: int = 0
     error: str | None = None
     next_run_at: float | None = None
+    #: The Definition built from `wf`'s data as it is now, with the object and the class it
+    #: was built for (a repair replaces the object, a reload its class), or None.
+    built: tuple[Workflow, type[Workflow], Definition] | None = None
+
+    def definition(self) -> Definition | None:
+        """Return the Definition built from the data as it is now, if one is kept."""
+        built = self.built
+        if built is not None and built[0] is self.wf and built[1] is type(self.wf):
+            return built[2]
+        return None
+
+    def keep(self, definition: Definition | None) -> None:
+        """Keep `definition`, built from the data as it is now (None forgets the one kept)."""
+        self.built = None if definition is None else (self.wf, type(self.wf), definition)
 
 
 class Cache:

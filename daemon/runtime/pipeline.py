@@ -74,6 +74,10 @@ class Pipeline:
         self._lost: list[Save] = []
         #: Resolved when the queued write goes in flight (or the pipeline ends or fails).
         self._taken: asyncio.Future[None] | None = None
+        #: One future per `flush` waiting, resolved when the write queue is drained. Each its
+        #: own: a cancelled waiter cancels only its own, and no shield sits in between (two
+        #: loop turns per flush saved).
+        self._drained: list[asyncio.Future[None]] = []
 
     def room(self) -> int:
         """Return how many more checkpoints may queue before `put` waits for a commit."""
@@ -108,8 +112,10 @@ class Pipeline:
     async def flush(self) -> None:
         """Wait until every queued checkpoint is durable; raise the error of one that failed."""
         while self._task is not None:
-            # Shielded: a cancelled caller stops waiting, the write goes on.
-            await asyncio.shield(self._task)
+            # Not the task itself: a cancelled caller stops waiting, the write goes on.
+            drained = asyncio.get_running_loop().create_future()
+            self._drained.append(drained)
+            await drained
         if self._error is not None:
             raise self._error
 
@@ -147,6 +153,10 @@ class Pipeline:
         finally:
             self._task = None
             self._wake_taken()
+            drained, self._drained = self._drained, []
+            for waiter in drained:
+                if not waiter.done():
+                    waiter.set_result(None)
 
     def _wake_taken(self) -> None:
         if self._taken is not None:

@@ -126,3 +126,20 @@ async def _sent(c: Client, limit_s: float = 20) -> object:
                 return sent["result"]
             assert sent["error"]["code"] == "unavailable", sent
             await anyio.sleep(0.05)
+
+
+async def test_each_callback_follows_the_definition_of_the_data_as_it_is(
+    short_tmp: Path,
+) -> None:
+    """A definition that changes with the data (in a handler or in a step) is followed at once.
+
+    The daemon keeps the definition it built between callbacks (to save rebuilding it): one
+    kept past a change of the data would answer with the other mode's handler.
+    """
+    async with running_daemon(short_tmp, MODULES) as d, d.client() as c:
+        await c.call("start", workflow="Toggle", workflow_id="t")
+        await wait_status(c, "t", "Waiting")
+        answers = [await c.call("send", workflow_id="t", event="poke", input=1) for _ in range(10)]
+        assert answers == ["a->b", "b asked"] * 5
+        shown = await wait_status(c, "t", "Waiting")
+        assert shown["data"] == {"mode": "a", "asked": False}

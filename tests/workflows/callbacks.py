@@ -44,3 +44,32 @@ class GateThenSlow(Workflow):
 
     def definition(self) -> Section:
         return S(Wait("gate", On("go", Signal(self.go))), Step("slow", self.slow))
+
+
+@dataclass
+class Toggle(Workflow):
+    """Answers "poke" with a handler its data picks: its definition follows its data.
+
+    In mode "a" the handler flips to "b" itself; in mode "b" it only asks, and the step after
+    the wait flips back to "a".
+    """
+
+    mode: str = "a"
+    asked: bool = False
+
+    def flip(self, value: int | None = None) -> str:
+        self.mode = "b"
+        return "a->b"
+
+    def ask(self, value: int | None = None) -> str:
+        self.asked = True
+        return "b asked"
+
+    def settle(self) -> None:
+        if self.asked:
+            self.mode, self.asked = "a", False
+
+    def definition(self) -> Section:
+        handler = self.flip if self.mode == "a" else self.ask
+        wait = Wait("wait", On("poke", Signal(handler)))
+        return S(For("loop", True, S(wait, Step("settle", self.settle))))
