@@ -35,6 +35,7 @@ class StoreStats:
     commits: int = 0  #: transactions committed
     writes: int = 0  #: write requests committed
     splits: int = 0  #: failed batches retried one request per transaction
+    wakes: int = 0  #: times a write woke the idle writer thread
 
     def batch(self, size: int, failed: int, commits: int, split: bool) -> None:
         """Count one batch written in `commits` transactions; a split batch is logged."""
@@ -220,6 +221,7 @@ class GroupWriter:
             self._queue.append(w)
             if self._idle:
                 self._idle = False
+                self.stats.wakes += 1
                 self._wake.notify()
         await w.done
         if w.error is not None:
