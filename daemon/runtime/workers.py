@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from daemon.observe.threads import name_os_thread
+
 T = TypeVar("T")
 #: How long a job must have run before its thread counts as blocked, and another is woken for
 #: the jobs queued behind it: twice the interpreter's GIL switch interval (5 ms), so that a
@@ -216,6 +218,7 @@ class Workers:
             return True
 
     def _work(self, wake: threading.Lock) -> None:
+        name_os_thread("wd-step")
         me = threading.get_ident()
         job: Job | None = None
         try:

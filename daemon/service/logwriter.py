@@ -15,6 +15,8 @@ from typing import Any
 import structlog
 from structlog.typing import EventDict
 
+from daemon.observe.threads import name_os_thread
+
 #: One queued record: the method, the event dict (bound context, keywords and event), the
 #: caller's context (its contextvars are merged off the loop) and the Unix time of the call.
 Record = tuple[str, EventDict, contextvars.Context, float]
@@ -94,6 +96,7 @@ class Batcher:
         self.flush()
 
     def _run(self) -> None:
+        name_os_thread("wd-log")
         while True:
             with self._wake:
                 # The queue is checked under the lock a kick takes: a record queued before

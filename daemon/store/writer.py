@@ -17,6 +17,7 @@ import structlog
 
 from daemon.errors import Unavailable
 from daemon.observe.metrics import Metrics
+from daemon.observe.threads import name_os_thread
 
 log = structlog.get_logger(__name__)
 #: A write: runs on the writer's connection inside the batch's transaction.
@@ -231,6 +232,7 @@ class GroupWriter:
     # -- the thread -------------------------------------------------------------------------
 
     def _main(self) -> None:
+        name_os_thread("wd-writer")
         try:
             while True:
                 try:
