@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from daemon.observe.threads import name_os_thread
+
 T = TypeVar("T")
 #: How long a job must have run before its thread counts as blocked, and another is woken for
 #: the jobs queued behind it: twice the interpreter's GIL switch interval (5 ms), so that a
@@ -73,7 +75,8 @@ class Workers:
     finished jobs reach the loop in batches. Another thread is woken (or started) only when
     nobody is awake to take a job, or when every awake thread has been on its job for
     BLOCKED_S (it blocks: sleeps, waits for I/O), as many again as are awake; the loop checks
-    that again every BLOCKED_S while jobs wait. At most `slots` jobs (max_concurrent_steps) run at once; the rest wait in
+    that again every BLOCKED_S while jobs wait that no awake thread is free to take (and not
+    at all otherwise: an idle pool, or one with a thread for every job, arms no timer). At most `slots` jobs (max_concurrent_steps) run at once; the rest wait in
     the queue, so a burst of steps is handed over together, not in waves. A job given up on
     (`forget`: its step ran past its timeout, or was cancelled) frees its slot at once, though
     its thread runs on until the action returns.
@@ -119,7 +122,7 @@ class Workers:
             self._closed = False
             self._jobs.append(job)
             self._grow()
-            waiting = bool(self._jobs) and self._awake > 0
+            waiting = self._stuck()
         if waiting and loop not in self._checking:
             self._checking.add(loop)
             loop.call_later(BLOCKED_S, self._check, loop)
@@ -185,10 +188,18 @@ class Workers:
                     target=self._work, args=(wake,), name="workflowd-step", daemon=True
                 ).start()
 
+    def _stuck(self) -> bool:
+        """Tell whether jobs wait that no awake thread is free to take; holds the lock.
+
+        Only then is a check due: a job a thread was just woken for needs none, so a lone
+        step (a timer's, a callback's) costs no loop timer.
+        """
+        return len(self._jobs) > self._awake - len(self._began)
+
     def _check(self, loop: asyncio.AbstractEventLoop) -> None:
         with self._lock:
             self._grow()
-            waiting = bool(self._jobs)
+            waiting = self._stuck()
         if waiting and not loop.is_closed():
             loop.call_later(BLOCKED_S, self._check, loop)
         else:
@@ -216,11 +227,20 @@ class Workers:
             return True
 
     def _work(self, wake: threading.Lock) -> None:
+        name_os_thread("wd-step")
         me = threading.get_ident()
         job: Job | None = None
+        # A finished job's result is posted once the next job is taken (or the thread is
+        # asleep): the loop, woken by it, then never counts this thread as still busy.
+        result: tuple[Job, bool, Any] | None = None
         try:
             while True:
                 taken = self._take(me, job, wake)
+                if result is not None:
+                    done, ok, value = result
+                    result = None
+                    done.done.put(done.future, ok, value)
+                    del done, value  # drop the references before blocking for the next one
                 if taken is False:
                     return
                 if taken is True:
@@ -229,11 +249,9 @@ class Workers:
                     continue
                 job = taken
                 try:
-                    value, ok = job.context.run(job.fn), True
+                    result = (job, True, job.context.run(job.fn))
                 except BaseException as e:  # noqa: BLE001 - handed to the awaiting step
-                    value, ok = e, False
-                job.done.put(job.future, ok, value)
-                value = None  # drop the reference before blocking for the next one
+                    result = (job, False, e)
         finally:
             with self._lock:
                 self._threads -= 1

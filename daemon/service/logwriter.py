@@ -15,6 +15,8 @@ from typing import Any
 import structlog
 from structlog.typing import EventDict
 
+from daemon.observe.threads import name_os_thread
+
 #: One queued record: the method, the event dict (bound context, keywords and event), the
 #: caller's context (its contextvars are merged off the loop) and the Unix time of the call.
 Record = tuple[str, EventDict, contextvars.Context, float]
@@ -23,38 +25,42 @@ Record = tuple[str, EventDict, contextvars.Context, float]
 class Batcher:
     """Hands records from the event loop to one writer thread, which renders and writes batches.
 
-    Rendering and writing cost the loop nothing: it only queues the record and wakes the writer
-    once a batch has lingered LINGER_S (or filled up). Records from outside a loop (worker
-    threads, start-up, tests) and error records are written at once, after whatever is still
-    queued, so nothing is reordered.
+    Rendering and writing cost the loop nothing: it only queues the record, and the first
+    record of a loop turn schedules one kick (call_soon) that wakes the writer at the end of
+    that turn, only if it sleeps: a writer still busy takes the new records when it is done.
+    No timer is armed, so neither the loop nor the writer wakes when there is nothing to
+    write. Records from outside a loop (worker threads, start-up, tests) and error records are
+    written at once, after whatever is still queued, so nothing is reordered.
     """
 
     def __init__(self, emit: Callable[[list[Record]], None]) -> None:
         self._emit = emit
         self._queue: deque[Record] = deque()
         self._lock = threading.Lock()  # one writer at a time, in queue order
-        self._wake = threading.Event()
+        self._wake = threading.Condition(threading.Lock())
+        self._idle = False  # the thread waits on `_wake`: only then does a kick notify it
         self._kick_loop: asyncio.AbstractEventLoop | None = None  # the loop a kick is due on
         self._kick_thread = 0  # that loop's thread
         self._closed = False
+        self.wakes = 0  #: times the writer thread was woken (the benchmarks print it)
         self._thread = threading.Thread(target=self._run, name="workflowd-log", daemon=True)
         self._thread.start()
 
     def put(self, record: Record) -> None:
-        """Queue one record; the writer takes it within LINGER_S."""
+        """Queue one record; the writer takes it once this loop turn ends."""
         self._queue.append(record)
         # The cheap test first (asyncio's _get_running_loop calls getpid each time): this
         # thread runs the loop a kick is already due on, so the record just waits for it.
         if self._kick_thread == _thread_id() and (loop := self._kick_loop) and loop.is_running():
-            if len(self._queue) >= BATCH and not self._wake.is_set():
-                self._wake.set()
+            if len(self._queue) >= BATCH:
+                self._notify()
             return
         loop = _running_loop()
         if loop is None or self._closed:
             self.flush()
         elif loop is not self._kick_loop:  # none due, or due on a loop that has stopped
             self._kick_loop, self._kick_thread = loop, _thread_id()
-            loop.call_later(LINGER_S, self._kick)
+            loop.call_soon(self._kick)
 
     def put_now(self, record: Record) -> None:
         """Write one record at once, after everything queued before it."""
@@ -63,7 +69,15 @@ class Batcher:
 
     def _kick(self) -> None:
         self._kick_loop, self._kick_thread = None, 0
-        self._wake.set()
+        self._notify()
+
+    def _notify(self) -> None:
+        """Wake the writer if it sleeps; a busy one looks at the queue again before sleeping."""
+        with self._wake:
+            if self._idle:
+                self._idle = False
+                self.wakes += 1
+                self._wake.notify()
 
     def flush(self) -> None:
         """Write everything queued so far, on the calling thread."""
@@ -74,28 +88,34 @@ class Batcher:
 
     def close(self) -> None:
         """Write what is queued and stop the writer; later records are written at once."""
-        self._closed = True
         self._kick_loop, self._kick_thread = None, 0  # no record may wait for a kick any more
-        self._wake.set()
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
         self._thread.join(timeout=5)
         self.flush()
 
     def _run(self) -> None:
-        while not self._closed:
-            self._wake.wait()
-            self._wake.clear()
+        name_os_thread("wd-log")
+        while True:
+            with self._wake:
+                # The queue is checked under the lock a kick takes: a record queued before
+                # its kick is either seen here or its kick finds the thread idle.
+                while not self._queue and not self._closed:
+                    self._idle = True
+                    self._wake.wait()
+                self._idle = False
+                if self._closed:
+                    return  # close() flushes what is left on its own thread
             try:
                 self.flush()
             except Exception:  # a broken stream must not kill the writer; the next batch retries
                 logging.getLogger(__name__).debug("log_write_failed", exc_info=True)
 
 
-#: Records rendered and written together at most; also wakes the writer early.
+#: Records rendered and written together at most; a turn that queues this many wakes the
+#: writer before the turn ends.
 BATCH = 512
-#: How long the first record of a batch waits for others before the writer wakes: a workflow
-#: running steps one by one takes a loop turn per step, and a wake-up (and a write) per turn
-#: would cost more than the record itself.
-LINGER_S = 0.002
 
 
 #: The event loop running on this thread, or None; no exception to catch, unlike

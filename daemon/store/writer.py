@@ -17,6 +17,7 @@ import structlog
 
 from daemon.errors import Unavailable
 from daemon.observe.metrics import Metrics
+from daemon.observe.threads import name_os_thread
 
 log = structlog.get_logger(__name__)
 #: A write: runs on the writer's connection inside the batch's transaction.
@@ -35,6 +36,7 @@ class StoreStats:
     commits: int = 0  #: transactions committed
     writes: int = 0  #: write requests committed
     splits: int = 0  #: failed batches retried one request per transaction
+    wakes: int = 0  #: times a write woke the idle writer thread
 
     def batch(self, size: int, failed: int, commits: int, split: bool) -> None:
         """Count one batch written in `commits` transactions; a split batch is logged."""
@@ -220,6 +222,7 @@ class GroupWriter:
             self._queue.append(w)
             if self._idle:
                 self._idle = False
+                self.stats.wakes += 1
                 self._wake.notify()
         await w.done
         if w.error is not None:
@@ -229,6 +232,7 @@ class GroupWriter:
     # -- the thread -------------------------------------------------------------------------
 
     def _main(self) -> None:
+        name_os_thread("wd-writer")
         try:
             while True:
                 try:

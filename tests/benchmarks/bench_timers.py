@@ -103,11 +103,16 @@ async def lateness(
         await until_count(db, settled, ("Resuming",), n, limit_s=300, every_s=0.05)
         lead_s = window_at - time.time()
         cpu, loop = cpu_s(d.proc.pid), loop_cpu_s(d.proc.pid)
+        threads = thread_cpu_s(d.proc.pid)
+        fires_from = time.time()
         limit_s = lead_s + window_s + 300
         await until_count(db, _COUNT, ("Finished",), n, limit_s=limit_s, every_s=0.1)
         cpu, loop = cpu_s(d.proc.pid) - cpu, loop_cpu_s(d.proc.pid) - loop
+        threads = {k: v - threads.get(k, 0.0) for k, v in thread_cpu_s(d.proc.pid).items()}
+        fires_to = time.time()
         rows = query(db, "SELECT data FROM workflows")
     late = [json.loads(data)["late_s"] * 1000 for (data,) in rows]
+    gc_figures = _gc_figures(d.records(), fires_from, fires_to, label)
     context = {
         "timers": n,
         "window_s": window_s,
@@ -127,7 +132,56 @@ async def lateness(
         _figure(
             f"loop_cpu_per_fired_timer{label}_us", round(loop / n * 1e6), TARGET_FIRE_US, **context
         ),
+        *(
+            _figure(f"{name}_cpu_per_fired_timer{label}_us", round(s / n * 1e6), None, **context)
+            for name, s in sorted(threads.items())
+        ),
+        *(_figure(metric, value, None, **context | extra) for metric, value, extra in gc_figures),
     ]
+
+
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """Return the CPU seconds of the process's threads, summed by thread name (schedstat)."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            ns = int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError):  # the thread ended meanwhile
+            continue
+        key = ("thread_" + name.removeprefix("wd-")).replace("-", "_")
+        out[key] = out.get(key, 0.0) + ns / 1e9
+    return out
+
+
+def _gc_figures(
+    records: list[dict[str, Any]], since: float, until: float, label: str
+) -> list[tuple[str, float, dict[str, Any]]]:
+    """Return the GC figures the daemon logged: its life's totals, and slow pauses during fires."""
+    stats = next((r for r in records if r.get("event") == "gc_stats"), None)
+    if stats is None:
+        return []
+    pauses = [r for r in records if r.get("event") == "gc_pause" and since <= r["at"] <= until]
+    slow = [r["ms"] for r in pauses]
+    by_generation = [sum(r["generation"] == g for r in pauses) for g in range(3)]
+    life = {"over": "the daemon's life: starts and fires", "threshold": stats["threshold"]}
+    return [
+        (f"gc_longest_pause{label}_ms", max(stats["longest_ms"]), life | {
+            "by_generation_ms": stats["longest_ms"],
+            "collections": stats["collections"],
+            "total_ms": stats["total_ms"],
+        }),
+        (f"gc_longest_pause_cpu{label}_ms", max(stats["cpu_longest_ms"]), life | {
+            "by_generation_ms": stats["cpu_longest_ms"],
+            "collections": stats["collections"],
+            "total_ms": stats["cpu_total_ms"],
+            "how": "the collector's CPU time, without waiting for a core",
+        }),
+        (f"gc_slow_pauses_during_fires{label}", len(slow),
+         {"slower_than_ms": 10.0, "by_generation": by_generation}),
+        (f"gc_longest_pause_during_fires{label}_ms", round(max(slow, default=0.0), 2),
+         {"how": "0: none slower than 10 ms"}),
+    ]  # fmt: skip
 
 
 REARM_WORKFLOWS = 1_000

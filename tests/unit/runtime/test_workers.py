@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import threading
+from typing import Any
 
 import anyio
 import pytest
@@ -28,6 +30,26 @@ class TestWorkers:
         finally:
             workers.close()
         await until(lambda: workers.threads == 0, limit_s=5)
+
+    async def test_a_lone_job_arms_no_check(self) -> None:
+        """A job that a thread was woken for arms no loop timer: an idle pool does not poll."""
+        workers = Workers()
+        loop = asyncio.get_running_loop()
+        real, checks = loop.call_later, []
+
+        def counted(delay: float, callback: Any, *args: Any, **kw: Any) -> asyncio.TimerHandle:
+            if getattr(callback, "__self__", None) is workers:
+                checks.append(delay)
+            return real(delay, callback, *args, **kw)
+
+        loop.call_later = counted  # type: ignore[method-assign,assignment]
+        try:
+            for _ in range(20):
+                await workers.run(lambda: None)
+        finally:
+            del loop.call_later
+            workers.close()
+        assert checks == []
 
     async def test_jobs_that_do_not_block_share_a_thread(self) -> None:
         """Many quick jobs in flight at once wake few threads, not one each."""

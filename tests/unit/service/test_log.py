@@ -15,6 +15,7 @@ import anyio
 import pytest
 import structlog
 
+from daemon.service import log as log_module
 from daemon.service.log import LogHub, close_logging, configure_logging, flush_logs, set_level
 from tests.helpers.wait import until
 
@@ -290,6 +291,39 @@ class TestBatching:
         await until(lambda: len(lines(out)) == 100, limit_s=5)
         assert [r["n"] for r in lines(out)] == list(range(100))
         assert out.writes == 1
+
+    async def test_no_timer_and_one_wake_per_turn_at_most(self) -> None:
+        """A turn's records wake the writer once at most, through no loop timer; idle, it sleeps."""
+        out = io.StringIO()
+        configure_logging("info", "json", out, cache=False)
+        batcher = log_module._batcher[0]
+        loop = asyncio.get_running_loop()
+        real, timers = loop.call_later, []
+
+        def counted(delay: float, callback: Any, *args: Any, **kw: Any) -> asyncio.TimerHandle:
+            if getattr(callback, "__self__", None) is batcher:
+                timers.append(delay)
+            return real(delay, callback, *args, **kw)
+
+        loop.call_later = counted  # type: ignore[method-assign,assignment]
+        try:
+            log = structlog.get_logger()
+            for turn in range(10):
+                for n in range(3):
+                    log.info("e", turn=turn, n=n)
+                written = 3 * (turn + 1)
+                await until(lambda: len(lines(out)) == written, limit_s=5)  # noqa: B023
+        finally:
+            del loop.call_later
+        assert timers == []
+        woken = batcher.wakes
+        assert 1 <= woken <= 10
+        for _ in range(20):  # turns with nothing logged wake nobody
+            await asyncio.sleep(0)
+        assert batcher.wakes == woken
+        assert [(r["turn"], r["n"]) for r in lines(out)] == [
+            (t, n) for t in range(10) for n in range(3)
+        ]
 
     async def test_errors_are_written_at_once_after_what_was_queued(self) -> None:
         """An error record is on the stream when the call returns, after the records before it."""
