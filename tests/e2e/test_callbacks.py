@@ -9,25 +9,14 @@ from typing import Any
 
 import anyio
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers.client import Client
 from tests.helpers.disk import hold_write_lock
 from tests.helpers.harness import running_daemon
-from tests.helpers.http import fetch
+from tests.helpers.http import writes_committed
 from tests.helpers.wait import settled, wait_status
 
 MODULES = ["tests.workflows.callbacks"]
-
-
-async def _writes(address: str) -> float:
-    """Return how many writes the daemon has committed so far (from `/metrics`)."""
-    reply = await fetch(address, "/metrics")
-    for family in text_string_to_metric_families(reply.body.decode()):
-        for s in family.samples:
-            if s.name == "workflowd_commit_batch_size_sum":
-                return float(s.value)
-    raise AssertionError("no workflowd_commit_batch_size_sum in /metrics")
 
 
 def _data(db: Path, workflow_id: str) -> dict[str, Any]:
@@ -52,11 +41,11 @@ async def test_a_callback_and_the_resume_it_starts_are_one_write(short_tmp: Path
         await c.call("start", workflow="BumpCounter", workflow_id="t")
         await wait_status(c, "t", "Waiting")
         await settled(c)
-        before = await _writes(address)
+        before = await writes_committed(address)
         for i in range(1, sends + 1):
             assert await c.call("send", workflow_id="t", event="bump", input=1) == i
         await settled(c)
-        writes = await _writes(address) - before
+        writes = await writes_committed(address) - before
         assert (await c.call("show", workflow_id="t"))["data"]["count"] == sends
     # Before, each send wrote twice: the callback, then the wait set up again.
     assert writes <= sends + 1, f"{writes} writes for {sends} sends"

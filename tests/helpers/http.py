@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import anyio
 import anyio.abc
+from prometheus_client.parser import text_string_to_metric_families
 
 
 @dataclass
@@ -59,3 +60,13 @@ async def fetch(
         k, _, v = line.partition(":")
         fields[k.strip().lower()] = v.strip()
     return Reply(int(lines[0].split(" ")[1]), fields, rest)
+
+
+async def writes_committed(address: str) -> float:
+    """Return how many writes the daemon has committed so far (from `/metrics`)."""
+    reply = await fetch(address, "/metrics")
+    for family in text_string_to_metric_families(reply.body.decode()):
+        for s in family.samples:
+            if s.name == "workflowd_commit_batch_size_sum":
+                return float(s.value)
+    raise AssertionError("no workflowd_commit_batch_size_sum in /metrics")
