@@ -398,19 +398,15 @@ class Runtime:
         if not rows:
             return out
         created = await create(rows)
-        launched: builtins.list[str] = []
         for (i, loaded, row, workflow), inserted in zip(made, created, strict=True):
             try:
-                if inserted:
-                    out[i] = self._launch(loaded, row, submit=False)
-                    launched.append(row.id)
-                else:
-                    out[i] = await self._existing(row.id, workflow)
+                out[i] = (
+                    self._launch(loaded, row)
+                    if inserted
+                    else await self._existing(row.id, workflow)
+                )
             except Exception as e:  # noqa: BLE001 - answered to its caller, the others go on
                 out[i] = e
-        if launched and self.leases is None:
-            # Their first resumes: one task for the batch's actors, not one task each.
-            self.scheduler.submit_many(launched, "resume")
         return out
 
     def _new_row(
@@ -466,8 +462,8 @@ class Runtime:
             )
         return {"workflow_id": wid, "status": existing.status, "created": False}
 
-    def _launch(self, loaded: Loaded, row: WorkflowRow, *, submit: bool = True) -> dict[str, Any]:
-        """Run a workflow whose row was just written (`submit=False`: the caller queues it)."""
+    def _launch(self, loaded: Loaded, row: WorkflowRow) -> dict[str, Any]:
+        """Run a workflow whose row was just written."""
         wid = row.id
         log.info("workflow_started", workflow_id=wid, workflow=row.name, parent=row.parent)
         if self.leases is not None:  # whichever daemon is free claims it (woken by a NOTIFY)
@@ -475,8 +471,7 @@ class Runtime:
         if row.deadline is not None:
             self.deadlines.add(wid, row.deadline)
         self.cache.remember(loaded)
-        if submit:
-            self.scheduler.submit(wid, Item("resume"))
+        self.scheduler.submit(wid, Item("resume"))
         return {"workflow_id": wid, "status": loaded.state.status.value, "created": True}
 
     async def send(

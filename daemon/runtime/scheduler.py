@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 
@@ -112,11 +112,6 @@ class Scheduler:
             task.add_done_callback(partial(self._ended, workflow_id))
         actor.items.append(item)
         actor.notify()
-
-    def submit_many(self, workflow_ids: Sequence[str], kind: str) -> None:
-        """Queue one item of `kind` for each of many workflows (a batch of schedule fires)."""
-        for workflow_id in workflow_ids:
-            self.submit(workflow_id, Item(kind))
 
     def _ended(self, workflow_id: str, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
