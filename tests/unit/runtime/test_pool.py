@@ -79,6 +79,10 @@ class Run:
     def note(self, kind: str, detail: dict[str, Any]) -> None:
         self.notes.append(kind)
 
+    def options(self) -> dict[str, Any]:
+        """Return the pool's further keyword arguments (none: the defaults)."""
+        return {}
+
     async def resume(self, settings: Settings) -> None:
         async with StepPool(
             limiter=anyio.CapacityLimiter(4),
@@ -86,6 +90,7 @@ class Run:
             settings=settings,
             note=self.note,
             on_retry=self.on_retry,
+            **self.options(),
         ) as self.pool:
             await resume(self.wf, self.state, self.checkpoint, steps=self.pool)
 
@@ -244,18 +249,8 @@ class Chained(Run):
     async def save(self) -> None:
         self.take("pool")
 
-    async def resume(self, settings: Settings) -> None:
-        async with StepPool(
-            limiter=anyio.CapacityLimiter(4),
-            clock=self.clock,
-            settings=settings,
-            note=self.note,
-            on_retry=self.on_retry,
-            room=lambda: self.room,
-            save=self.save,
-            chain_s=self.chain_s,
-        ) as self.pool:
-            await resume(self.wf, self.state, self.checkpoint, steps=self.pool)
+    def options(self) -> dict[str, Any]:
+        return {"room": lambda: self.room, "save": self.save, "chain_s": self.chain_s}
 
 
 class TestChain:
