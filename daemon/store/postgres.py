@@ -187,9 +187,13 @@ class PostgresStore(Reads):
         details = [to_json(detail) for _, detail in history]
         params = (*head, now, len(kinds), wid) if head else (len(kinds), wid)
         extra = (kinds, details, now, self._keep, builtins.list(done))
+        # Fenced by the lease held when the write was issued: a write issued under a lease
+        # that is lost before it is applied (a pipelined one behind a failed one) must not
+        # fall back to claiming the workflow, which takes an ended one from nobody.
+        held = self._owned.get(wid) or self._ended.get(wid)
 
-        async def apply(conn: Conn) -> tuple[int, bool] | None:
-            generation, taken = self._owned.get(wid) or self._ended.get(wid), False
+        async def apply(conn: Conn) -> tuple[int, bool | None]:
+            generation, taken = held or self._owned.get(wid) or self._ended.get(wid), False
             if generation is None:
                 generation = await conn.fetchval(
                     schema.CLAIM_ONE, wid, self.holder, self.node.lease_s
@@ -200,18 +204,19 @@ class PostgresStore(Reads):
                     raise WorkflowLost(f"workflow {wid} is run by another daemon")
                 taken = True
             if await conn.fetchval(sql, *params, *extra, generation) is None:
-                return None  # another daemon claimed it: nothing was written
+                return generation, None  # another daemon claimed it: nothing was written
             return generation, taken
 
-        outcome = await self._writes.submit(apply)
-        if outcome is None:
-            self._owned.pop(wid, None)
-            self._ended.pop(wid, None)
-            self._lost[wid] = time.monotonic()
+        generation, taken = await self._writes.submit(apply)
+        if taken is None:
+            # Unless this daemon claimed the workflow again meanwhile (a newer generation).
+            if self._owned.get(wid, generation) == generation:
+                self._owned.pop(wid, None)
+                self._ended.pop(wid, None)
+                self._lost[wid] = time.monotonic()
             if await self.get(wid) is None:
                 raise WorkflowNotFound(f"no workflow {wid!r}")
             raise WorkflowLost(f"another daemon took workflow {wid} over")
-        generation, taken = outcome
         if final:
             self._owned.pop(wid, None)  # an ended workflow needs no lease
             self._ended[wid] = generation

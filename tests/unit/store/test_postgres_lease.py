@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import anyio
 import asyncpg
 import pytest
 
@@ -121,3 +124,50 @@ async def test_a_fire_two_daemons_make_starts_one_workflow_recorded_once(pg_dsn:
         assert not await b.schedule_fire("tick", row("tick:101"), last_nominal=101.0,
                                           records=[fire])  # fmt: skip
         assert [f.workflow_id for f in await b.schedule_fires("tick")] == ["tick:101"]
+
+
+async def test_a_write_issued_under_a_lost_lease_never_takes_the_workflow_back(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two checkpoints of a stale copy in flight at once (pipelined), after another daemon took
+    the workflow and finished it: the first one's failure must not let the second one claim the
+    ended workflow (nobody holds an ended one) and write the stale state over its end."""
+    async with (
+        PostgresStore.open(pg_dsn, node_id="a", lease_s=30) as a,
+        PostgresStore.open(pg_dsn, node_id="b", lease_s=30) as b,
+    ):
+        await a.create(row("w"))
+        await a.claim(1)
+        await expire(pg_dsn)
+        await b.claim(1)
+        await b.checkpoint("w", status="Finished", data='{"i":9}', state="{}")
+        real = a._writes.submit
+        first_failed = anyio.Event()
+        submitted: list[object] = []
+
+        async def in_order(apply: Any) -> Any:
+            # The second write was issued beside the first; it reaches the writer after the
+            # first one's failure was seen (as a later batch does).
+            submitted.append(apply)
+            if len(submitted) > 1:
+                await first_failed.wait()
+            return await real(apply)
+
+        monkeypatch.setattr(a._writes, "submit", in_order)
+        outcomes: list[BaseException | None] = []
+
+        async def stale(i: int) -> None:
+            try:
+                await a.checkpoint("w", status="Resuming", data=f'{{"i":{i}}}', state="{}")
+                outcomes.append(None)
+            except WorkflowLost as e:
+                outcomes.append(e)
+            if i == 1:
+                first_failed.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stale, 1)
+            tg.start_soon(stale, 2)
+        got = await a.get("w")
+        assert got is not None and (got.status, got.data) == ("Finished", '{"i":9}')
+        assert all(isinstance(o, WorkflowLost) for o in outcomes), outcomes
