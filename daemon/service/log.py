@@ -210,7 +210,7 @@ def _json_emitter(
         try:
             text = _encoder.encode_lines(dicts)
         except Exception:  # noqa: BLE001 - one odd record must not cost the batch its lines
-            text = b"".join(_encode_line(d) + b"\n" for d in dicts)
+            text = b"".join(line + b"\n" for d in dicts if (line := _encode_line(d)))
         if text:
             out.write(text.decode())
             out.flush()
