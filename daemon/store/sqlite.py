@@ -68,6 +68,19 @@ TRIM_HISTORY_MANY = (
 )
 
 
+#: Which of a JSON array of ids are taken: one statement for any number of them.
+EXISTING = "SELECT id FROM workflows WHERE id IN (SELECT value FROM json_each(?))"
+
+
+@dataclass(slots=True)
+class _Create:
+    """One new workflow: INSERT_WORKFLOW's parameters and its history rows, numbered from 1."""
+
+    wid: str
+    params: tuple[Any, ...]
+    history: builtins.list[tuple[Any, ...]]
+
+
 @dataclass(slots=True)
 class _Update:
     """One UPDATE of a workflow row (ending in `updated_at`, `history_seq`, `id`) and its rows."""
@@ -114,6 +127,7 @@ class SQLiteStore(Reads):
             sql: functools.partial(self._update_many, sql)
             for sql in (schema.CHECKPOINT, schema.SET_STATUS, schema.ADD_HISTORY)
         }
+        self._creates: ApplyMany = self._create_many  # one bound method, kept: compared by identity
         self._drop_inbox = statement(DROP_INBOX)
         self._drop_hook_runs = statement(DROP_HOOK_RUN)
         self._reader = reader
@@ -229,22 +243,52 @@ class SQLiteStore(Reads):
     async def create(self, row: WorkflowRow, history: History = ()) -> bool:
         """Insert `row` unless its id exists; return whether it was inserted, once durable."""
         now = get_clock().now()
-        entries = [(now, kind, schema.to_json(detail)) for kind, detail in history]
+        rows = [
+            (row.id, i + 1, now, kind, schema.to_json(detail))
+            for i, (kind, detail) in enumerate(history)
+        ]
         params = (
             row.id, row.name, row.status, row.data, row.state, row.error, row.attempt,
             row.next_run_at, row.created_at or now, row.updated_at or now, row.parent,
-            row.deadline, len(entries),
+            row.deadline, len(rows),
         )  # fmt: skip
-
-        def apply(conn: sqlite3.Connection) -> bool:
-            if conn.execute(schema.INSERT_WORKFLOW, params).rowcount != 1:
-                return False
-            if entries:
-                self._append(conn, row.id, len(entries), entries)
-            return True
-
-        created: bool = await self._writes.submit(apply)
+        created: bool = await self._writes.submit_many(self._creates, _Create(row.id, params, rows))
         return created
+
+    def _create_many(
+        self, conn: sqlite3.Connection, creates: builtins.list[_Create]
+    ) -> builtins.list[bool]:
+        """Insert a run of new workflows and their history with one `executemany` each.
+
+        Which ids exist already is asked once for the run; of two creates of one id in a run
+        the first wins, as it would one at a time. True where inserted.
+        """
+        if len(creates) == 1:
+            (c,) = creates
+            if conn.execute(schema.INSERT_WORKFLOW, c.params).rowcount != 1:
+                return [False]
+            fresh = creates
+            made = [True]
+        else:
+            ids = schema.to_json([c.wid for c in creates])
+            taken = {wid for (wid,) in conn.execute(EXISTING, (ids,))}
+            made = []
+            for c in creates:
+                made.append(c.wid not in taken)
+                taken.add(c.wid)
+            fresh = [c for c, new in zip(creates, made, strict=True) if new]
+            if conn.executemany(schema.INSERT_WORKFLOW, [c.params for c in fresh]).rowcount != len(
+                fresh
+            ):
+                raise RuntimeError("a batched create found its id taken")  # retried one by one
+        history = [r for c in fresh for r in c.history]
+        if history:
+            conn.executemany(schema.INSERT_HISTORY, history)
+            trims = [(c.wid, len(c.history) - self._keep) for c in fresh]
+            trims = [t for t in trims if t[1] > 0]
+            if trims:
+                conn.executemany(schema.TRIM_HISTORY, trims)
+        return made
 
     async def checkpoint(
         self,

@@ -342,3 +342,38 @@ class TestStore:
             assert store.stats.commits == commits + 1
             assert await store.counts() == {"Waiting": 1200}
             assert [h.kind for h in await store.history("w1199")] == ["step"]
+
+    async def test_creates_in_one_batch(self, tmp_path: Path) -> None:
+        """Creates committed together: a taken id, or the second of two creates of one id, is
+        left as it is and answers False; the others' history is numbered from 1 and trimmed."""
+        async with SQLiteStore.open(tmp_path / "wf.db", history_keep=2) as store:
+            await store.create(WorkflowRow("old", "Demo", "Finished", '{"v":"old"}', "{}"))
+            release = threading.Event()
+            blocker = asyncio.ensure_future(
+                store._writes.call(lambda conn: release.wait(CEILING_S))
+            )
+            await asyncio.sleep(0)
+            history = [("created", {"n": 0}), ("note", {"n": 1}), ("note", {"n": 2})]
+            wids = ["a", "old", "b", "a", "c"]
+            creates = [
+                asyncio.ensure_future(
+                    store.create(
+                        WorkflowRow(wid, "Demo", "Resuming", f'{{"v":{n}}}', "{}"), history
+                    )
+                )
+                for n, wid in enumerate(wids)
+            ]
+            await asyncio.sleep(0)
+            commits = store.stats.commits
+            release.set()
+            await blocker
+            assert await asyncio.gather(*creates) == [True, False, True, False, True]
+            assert store.stats.commits == commits + 1 and store.stats.splits == 0
+            rows = [await store.get(w) for w in ("a", "old", "b", "c")]
+            assert [r.data for r in rows if r is not None] == [
+                '{"v":0}', '{"v":"old"}', '{"v":2}', '{"v":4}',
+            ]  # fmt: skip
+            for wid in ("a", "b", "c"):
+                # Three entries, two kept: numbered 1..3 and trimmed as one create alone would.
+                assert [h.detail["n"] for h in await store.history(wid)] == [1, 2]
+            assert await store.history("old") == []
