@@ -38,8 +38,16 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_jsonable(v) for v in value]
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    return str(value)
+        return {_text(k): _jsonable(v) for k, v in value.items()}
+    return _text(value)
+
+
+def _text(value: Any) -> str:
+    """Return str(value), or a placeholder naming its type if its __str__ raises."""
+    try:
+        return str(value)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not cost the record
+        return f"<{type(value).__qualname__}: str() failed>"
 
 
 _encoder = msgspec.json.Encoder(enc_hook=str)
@@ -222,9 +230,9 @@ def _encode_line(event_dict: EventDict) -> bytes:
     """Render one record (no newline), values msgspec refuses as text; b"" if even that fails."""
     with contextlib.suppress(Exception):
         return _encoder.encode(event_dict)
-    try:  # again with every odd value as text
+    try:  # again with every odd value as text (a placeholder where even str() fails)
         return _encoder.encode(_jsonable(event_dict))
-    except Exception:  # noqa: BLE001 - a value whose str() raises: this one record is lost
+    except Exception:  # noqa: BLE001 - nothing left to try: this one record is lost
         return b""
 
 

@@ -89,9 +89,10 @@ class TestFusedChain:
         assert got[3]["shade"] == "Shade.DARK" and "_meta" not in got[3]  # as the hub had them
         json.dumps(got)
 
-    def test_an_unrenderable_record_costs_only_itself(self) -> None:
-        """A record whose value cannot become text is dropped; the rest of its batch is written."""
+    def test_a_value_that_cannot_become_text_costs_only_itself(self) -> None:
+        """A value whose str() raises is shown as a placeholder; its batch is written whole."""
         out = io.StringIO()
+        hub = log_module.LogHub()
         stamp = 1764607292.5
         context = contextvars.copy_context()
         batch: list[Record] = [
@@ -100,7 +101,9 @@ class TestFusedChain:
             ("info", {"event": "odd", "value": Shade.DARK, "bag": {1}}, context, stamp),
             ("info", {"event": "after"}, context, stamp),
         ]
-        log_module._json_emitter(out, None, None)(batch)
+        log_module._json_emitter(out, hub, None)(batch)
         lines = [json.loads(line) for line in out.getvalue().splitlines()]
-        assert [r["event"] for r in lines] == ["before", "odd", "after"]
-        assert lines[1]["value"] == "dark" and lines[1]["bag"] == [1]  # as msgspec renders them
+        assert [r["event"] for r in lines] == ["before", "broken", "odd", "after"]
+        assert lines[1]["value"] == "<Unprintable: str() failed>"
+        assert lines[2]["value"] == "dark" and lines[2]["bag"] == [1]  # as msgspec renders them
+        assert hub.recent()[1]["value"] == "<Unprintable: str() failed>"  # readers do not break
