@@ -158,7 +158,8 @@ class TestLogBench:
             "bench_log",
             figures,
             {"info_record_loop_us", "filtered_debug_record_loop_us", "error_record_us"}
-            | {"info_record_cpu_us", "step_done_call_loop_us"},
+            | {"info_record_cpu_us", "step_done_call_loop_us"}
+            | {"info_record_writer_us"},
         )
 
 

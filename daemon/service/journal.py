@@ -7,6 +7,7 @@ import socket
 import struct
 import sys
 import weakref
+from collections.abc import Mapping
 from typing import Any, TextIO
 
 from structlog.typing import EventDict, Processor, WrappedLogger
@@ -15,6 +16,7 @@ from structlog.typing import EventDict, Processor, WrappedLogger
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 #: Log record keys sent as journal fields too, so `journalctl WORKFLOW_ID=...` finds them.
 FIELDS = {"workflow_id": "WORKFLOW_ID", "workflow": "WORKFLOW", "step": "STEP", "event": "EVENT"}
+_IDENTIFIER = b"SYSLOG_IDENTIFIER=workflowd\n"
 _PRIORITY = {"debug": 7, "info": 6, "warning": 4, "warn": 4, "error": 3, "exception": 3}
 
 
@@ -28,11 +30,11 @@ def attached(stream: TextIO) -> bool:
     return bool(want) and want == f"{st.st_dev}:{st.st_ino}"
 
 
-def encode(fields: dict[str, str]) -> bytes:
+def encode(fields: Mapping[str, str | bytes]) -> bytes:
     """Encode fields as one native journal message."""
     out = bytearray()
     for key, value in fields.items():
-        data = value.encode()
+        data = value.encode() if isinstance(value, str) else value
         if b"\n" in data:  # a value with newlines goes as length-prefixed binary
             out += key.encode() + b"\n" + struct.pack("<Q", len(data)) + data + b"\n"
         else:
@@ -47,11 +49,17 @@ class JournalRenderer:
         self.renderer = renderer
 
     def __call__(self, logger: WrappedLogger, method: str, event_dict: EventDict) -> Any:
-        fields = {name: str(event_dict[key]) for key, name in FIELDS.items() if key in event_dict}
-        level = str(event_dict.get("level", method))
-        fields["PRIORITY"] = str(_PRIORITY.get(level, 2 if level in ("critical", "fatal") else 6))
+        fields = journal_fields(event_dict, method)
         line = self.renderer(logger, method, event_dict)
         return (line,), {"fields": fields}
+
+
+def journal_fields(event_dict: EventDict, method: str = "info") -> dict[str, str]:
+    """Return a record's native journal fields: WORKFLOW_ID=, STEP=, ..., and its PRIORITY=."""
+    fields = {name: str(event_dict[key]) for key, name in FIELDS.items() if key in event_dict}
+    level = str(event_dict.get("level", method))
+    fields["PRIORITY"] = str(_PRIORITY.get(level, 2 if level in ("critical", "fatal") else 6))
+    return fields
 
 
 class JournalLogger:
@@ -70,6 +78,14 @@ class JournalLogger:
             self.sock.sendto(encode(message), self.address)
         except OSError:  # too big for a datagram, or no journald: stdout still reaches it
             print(line, file=self.fallback, flush=True)
+
+    def send(self, line: bytes, fields: dict[str, str]) -> None:
+        """Send one record already rendered as UTF-8 JSON (no decoding and encoding it again)."""
+        message = b"MESSAGE=" + line + b"\n" if b"\n" not in line else encode({"MESSAGE": line})
+        try:
+            self.sock.sendto(message + _IDENTIFIER + encode(fields), self.address)
+        except OSError:  # too big for a datagram, or no journald: stdout still reaches it
+            print(line.decode(), file=self.fallback, flush=True)
 
     debug = info = warning = warn = error = critical = exception = fatal = log = msg
 

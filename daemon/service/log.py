@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TextIO
 
@@ -19,7 +19,7 @@ import msgspec
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
 
-from daemon.service.journal import JournalLogger, JournalRenderer
+from daemon.service.journal import JournalLogger, JournalRenderer, journal_fields
 from daemon.service.logwriter import Batcher, Queued, Record, iso_time, merge_context
 
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
@@ -38,8 +38,16 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_jsonable(v) for v in value]
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    return str(value)
+        return {_text(k): _jsonable(v) for k, v in value.items()}
+    return _text(value)
+
+
+def _text(value: Any) -> str:
+    """Return str(value), or a placeholder naming its type if its __str__ raises."""
+    try:
+        return str(value)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not cost the record
+        return f"<{type(value).__qualname__}: str() failed>"
 
 
 _encoder = msgspec.json.Encoder(enc_hook=str)
@@ -91,7 +99,7 @@ class _Subscription:
     async def records(self) -> AsyncGenerator[dict[str, Any], None]:
         while True:
             while self.queue:
-                yield self.queue.popleft()
+                yield _hub_record(self.queue.popleft())
             if self._gap:
                 gap, self._gap = self._gap, 0
                 yield {"event": "log_records_dropped", "level": "warning", "count": gap}
@@ -123,7 +131,11 @@ class LogHub:
         flush_logs()  # records still queued for the writer were logged before this call
         with self._lock:
             records = list(self._buffer)
-        return [r for r in records if workflow_id is None or r.get("workflow_id") == workflow_id]
+        return [
+            _hub_record(r)
+            for r in records
+            if workflow_id is None or r.get("workflow_id") == workflow_id
+        ]
 
     @asynccontextmanager
     async def subscribe(
@@ -142,6 +154,20 @@ class LogHub:
                 self._subs.discard(sub)
             await records.aclose()
 
+    def publish_many(self, records: list[dict[str, Any]]) -> None:
+        """Store rendered event dicts and hand each to every subscriber that wants it, at once.
+
+        They are stored as they are: nobody changes an event dict once it is rendered, and
+        the few records that need it are made JSON-able when read (_hub_record), which costs
+        the log's writer thread nothing for records that nobody reads.
+        """
+        with self._lock:
+            self._buffer.extend(records)
+            for sub in self._subs:
+                for record in records:
+                    if sub.wants(record):
+                        sub.offer(record)
+
     def processor(self, _: WrappedLogger, method: str, event_dict: EventDict) -> EventDict:
         """Publish a JSON-able copy of the event; goes right before the renderer."""
         record = dict(event_dict)
@@ -154,6 +180,70 @@ class LogHub:
         plain = _PLAIN.issuperset(map(type, record.values()))
         self.publish(record if plain else _jsonable(record))
         return event_dict
+
+
+#: add_log_level's names for the methods that are not levels themselves.
+_METHOD_LEVEL = {"warn": "warning", "exception": "error"}
+_tracebacks = structlog.processors.dict_tracebacks
+
+
+def _json_emitter(
+    out: TextIO, hub: LogHub | None, sink: JournalLogger | None
+) -> Callable[[list[Record]], None]:
+    """Return an emit that does what the JSON chain does, for a whole batch at once.
+
+    The chain is add_log_level, dict_tracebacks, the hub and the JSON renderer: here each
+    record gets its context, timestamp, level and traceback in one loop, the hub takes the
+    batch under one lock, and msgspec renders every line in one call. The lines are the same,
+    byte for byte; a record msgspec cannot render is rendered alone, its odd values as text.
+    """
+
+    def emit(batch: list[Record]) -> None:
+        dicts: list[Any] = []  # the event dicts _queue made: plain dicts
+        for method, event_dict, context, stamp in batch:
+            merge_context(event_dict, context)
+            event_dict["timestamp"] = iso_time(stamp)
+            event_dict["level"] = _METHOD_LEVEL.get(method, method)
+            if "exc_info" in event_dict:  # it renders the traceback into this same dict
+                _tracebacks(None, method, event_dict)
+            dicts.append(event_dict)
+        if hub is not None:
+            hub.publish_many(dicts)
+        if sink is not None:  # one datagram per record, each with its own fields
+            for d in dicts:
+                line = _encode_line(d)
+                if line:
+                    sink.send(line, journal_fields(d))
+            return
+        try:
+            text = _encoder.encode_lines(dicts)
+        except Exception:  # noqa: BLE001 - one odd record must not cost the batch its lines
+            text = b"".join(line + b"\n" for d in dicts if (line := _encode_line(d)))
+        if text:
+            out.write(text.decode())
+            out.flush()
+
+    return emit
+
+
+def _encode_line(event_dict: EventDict) -> bytes:
+    """Render one record (no newline), values msgspec refuses as text; b"" if even that fails."""
+    with contextlib.suppress(Exception):
+        return _encoder.encode(event_dict)
+    try:  # again with every odd value as text (a placeholder where even str() fails)
+        return _encoder.encode(_jsonable(event_dict))
+    except Exception:  # noqa: BLE001 - nothing left to try: this one record is lost
+        return b""
+
+
+def _hub_record(record: dict[str, Any]) -> dict[str, Any]:
+    """Return a stored record as readers get it: no meta keys ("_..."), JSON-able values.
+
+    The usual record (plain values, no meta key) is returned as it is, not copied.
+    """
+    if any(k[:1] == "_" for k in record):
+        record = {k: v for k, v in record.items() if k[:1] != "_"}
+    return record if _PLAIN.issuperset(map(type, record.values())) else _jsonable(record)
 
 
 def _hand_over(_: WrappedLogger, method: str, event_dict: EventDict) -> Any:
@@ -273,7 +363,7 @@ def configure_logging(
     last: Processor = renderer if sink is None else JournalRenderer(renderer)
     back = [structlog.processors.add_log_level, *tail, last]
 
-    def emit(batch: list[Record]) -> None:
+    def chain(batch: list[Record]) -> None:
         lines: list[str] = []
         for method, event_dict, context, stamp in batch:
             merge_context(event_dict, context)
@@ -293,6 +383,8 @@ def configure_logging(
             out.write("\n".join(lines) + "\n")
             out.flush()
 
+    # What the daemon runs: the same JSON chain fused into one pass per batch.
+    emit = _json_emitter(out, hub, sink) if as_json else chain
     close_logging()
     batcher = Batcher(emit)
     _batcher[:] = [batcher]

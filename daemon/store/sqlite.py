@@ -51,9 +51,34 @@ INSERT_INBOX = (
 )
 DROP_INBOX = "DELETE FROM inbox WHERE id = ?"
 DROP_HOOK_RUN = "DELETE FROM hook_runs WHERE id = ?"
-#: One statement for any number of ids (a JSON array): no limit of bound parameters, and
-#: one entry in the connection's statement cache rather than one per count.
-HISTORY_SEQS = "SELECT id, history_seq FROM workflows WHERE id IN (SELECT value FROM json_each(?))"
+
+
+#: A history row numbered in SQL, from the counter its workflow's UPDATE just advanced: the
+#: writer thread needs no SELECT for the numbers and builds no row (the loop made it whole).
+INSERT_HISTORY_AT = (
+    "INSERT INTO history (workflow_id, seq, at, kind, detail)"
+    " SELECT id, history_seq - ?, ?, ?, ? FROM workflows WHERE id = ?"
+)
+#: The oldest history rows past `keep` (?2) of the workflows in a JSON array of ids (?1), in
+#: one statement; a workflow under `keep` costs a primary-key lookup and nothing else.
+TRIM_HISTORY_MANY = (
+    "DELETE FROM history WHERE id IN (SELECT h.id FROM workflows w JOIN history h"
+    " ON h.workflow_id = w.id AND h.seq <= w.history_seq - ?2"
+    " WHERE w.id IN (SELECT value FROM json_each(?1)) AND w.history_seq > ?2)"
+)
+
+
+#: Which of a JSON array of ids are taken: one statement for any number of them.
+EXISTING = "SELECT id FROM workflows WHERE id IN (SELECT value FROM json_each(?))"
+
+
+@dataclass(slots=True)
+class _Create:
+    """One new workflow: INSERT_WORKFLOW's parameters and its history rows, numbered from 1."""
+
+    wid: str
+    params: tuple[Any, ...]
+    history: builtins.list[tuple[Any, ...]]
 
 
 @dataclass(slots=True)
@@ -62,7 +87,8 @@ class _Update:
 
     wid: str
     params: tuple[Any, ...]
-    entries: Entries
+    #: INSERT_HISTORY_AT's parameters: (how far below the new counter, at, kind, detail, id).
+    history: builtins.list[tuple[Any, ...]]
     inbox: builtins.list[tuple[int]]
 
 
@@ -101,6 +127,7 @@ class SQLiteStore(Reads):
             sql: functools.partial(self._update_many, sql)
             for sql in (schema.CHECKPOINT, schema.SET_STATUS, schema.ADD_HISTORY)
         }
+        self._creates: ApplyMany = self._create_many  # one bound method, kept: compared by identity
         self._drop_inbox = statement(DROP_INBOX)
         self._drop_hook_runs = statement(DROP_HOOK_RUN)
         self._reader = reader
@@ -167,18 +194,16 @@ class SQLiteStore(Reads):
         self, wid: str, sql: str, head: tuple[Any, ...], history: History, done: Sequence[int] = ()
     ) -> None:
         """Run an UPDATE ending in `updated_at`, `history_seq`, `id`; append history; drop inbox rows."""
-        now = get_clock().now()
-        entries = [(now, kind, schema.to_json(detail)) for kind, detail in history]
-        params = (*head, now, len(entries), wid) if head else (len(entries), wid)
-        update = _Update(wid, params, entries, [(i,) for i in done])
-        await self._writes.submit_many(self._many[sql], update)
+        await self._writes.submit_many(self._many[sql], _update_of(wid, head, history, done))
 
     def _update_one(self, conn: sqlite3.Connection, sql: str, u: _Update) -> None:
         row = conn.execute(sql, u.params).fetchone()  # the rowcount check, without a SELECT
         if row is None:
             raise WorkflowNotFound(f"no workflow {u.wid!r}")
-        if u.entries:
-            self._append(conn, u.wid, row[0], u.entries)
+        if u.history:
+            conn.executemany(INSERT_HISTORY_AT, u.history)
+            if row[0] > self._keep:
+                conn.execute(schema.TRIM_HISTORY, (u.wid, row[0] - self._keep))
         if u.inbox:
             conn.executemany(DROP_INBOX, u.inbox)
 
@@ -202,53 +227,68 @@ class SQLiteStore(Reads):
             while end < len(updates) and updates[end].wid not in seen:
                 seen.add(updates[end].wid)
                 end += 1
-            run = updates[start:end]
+            run = updates[start:end] if start or end < len(updates) else updates
             if conn.executemany(plain, [u.params for u in run]).rowcount != len(run):
                 raise WorkflowNotFound("a batched update missed its workflow")
-            written = [u for u in run if u.entries]
-            if written:
-                self._append_many(conn, written)
+            history = [r for u in run for r in u.history]
+            if history:
+                conn.executemany(INSERT_HISTORY_AT, history)
+                conn.execute(TRIM_HISTORY_MANY, (schema.to_json([u.wid for u in run]), self._keep))
             inbox = [i for u in run for i in u.inbox]
             if inbox:
                 conn.executemany(DROP_INBOX, inbox)
             start = end
         return [None] * len(updates)
 
-    def _append_many(self, conn: sqlite3.Connection, updates: builtins.list[_Update]) -> None:
-        """Insert the history rows of updates of distinct workflows already applied; trim."""
-        ids = schema.to_json([u.wid for u in updates])
-        lasts: dict[str, int] = dict(conn.execute(HISTORY_SEQS, (ids,)).fetchall())
-        rows: builtins.list[tuple[Any, ...]] = []
-        trims: builtins.list[tuple[str, int]] = []
-        for u in updates:
-            last = lasts[u.wid]
-            first = last - len(u.entries) + 1
-            rows += [(u.wid, first + i, at, kind, d) for i, (at, kind, d) in enumerate(u.entries)]
-            if last > self._keep:
-                trims.append((u.wid, last - self._keep))
-        conn.executemany(schema.INSERT_HISTORY, rows)
-        if trims:
-            conn.executemany(schema.TRIM_HISTORY, trims)
-
     async def create(self, row: WorkflowRow, history: History = ()) -> bool:
         """Insert `row` unless its id exists; return whether it was inserted, once durable."""
         now = get_clock().now()
-        entries = [(now, kind, schema.to_json(detail)) for kind, detail in history]
+        rows = [
+            (row.id, i + 1, now, kind, schema.to_json(detail))
+            for i, (kind, detail) in enumerate(history)
+        ]
         params = (
             row.id, row.name, row.status, row.data, row.state, row.error, row.attempt,
             row.next_run_at, row.created_at or now, row.updated_at or now, row.parent,
-            row.deadline, len(entries),
+            row.deadline, len(rows),
         )  # fmt: skip
-
-        def apply(conn: sqlite3.Connection) -> bool:
-            if conn.execute(schema.INSERT_WORKFLOW, params).rowcount != 1:
-                return False
-            if entries:
-                self._append(conn, row.id, len(entries), entries)
-            return True
-
-        created: bool = await self._writes.submit(apply)
+        created: bool = await self._writes.submit_many(self._creates, _Create(row.id, params, rows))
         return created
+
+    def _create_many(
+        self, conn: sqlite3.Connection, creates: builtins.list[_Create]
+    ) -> builtins.list[bool]:
+        """Insert a run of new workflows and their history with one `executemany` each.
+
+        Which ids exist already is asked once for the run; of two creates of one id in a run
+        the first wins, as it would one at a time. True where inserted.
+        """
+        if len(creates) == 1:
+            (c,) = creates
+            if conn.execute(schema.INSERT_WORKFLOW, c.params).rowcount != 1:
+                return [False]
+            fresh = creates
+            made = [True]
+        else:
+            ids = schema.to_json([c.wid for c in creates])
+            taken = {wid for (wid,) in conn.execute(EXISTING, (ids,))}
+            made = []
+            for c in creates:
+                made.append(c.wid not in taken)
+                taken.add(c.wid)
+            fresh = [c for c, new in zip(creates, made, strict=True) if new]
+            if conn.executemany(schema.INSERT_WORKFLOW, [c.params for c in fresh]).rowcount != len(
+                fresh
+            ):
+                raise RuntimeError("a batched create found its id taken")  # retried one by one
+        history = [r for c in fresh for r in c.history]
+        if history:
+            conn.executemany(schema.INSERT_HISTORY, history)
+            trims = [(c.wid, len(c.history) - self._keep) for c in fresh]
+            trims = [t for t in trims if t[1] > 0]
+            if trims:
+                conn.executemany(schema.TRIM_HISTORY, trims)
+        return made
 
     async def checkpoint(
         self,
@@ -574,6 +614,18 @@ class SQLiteStore(Reads):
         async for rows in self._by_id(schema.COLS, where, FINAL, page):
             for r in rows:
                 yield WorkflowRow(*r)
+
+
+def _update_of(wid: str, head: tuple[Any, ...], history: History, done: Sequence[int]) -> _Update:
+    """Build an update's parameters and rows, whole, on the caller's side."""
+    now = get_clock().now()
+    n = len(history)
+    rows = [
+        (n - 1 - i, now, kind, schema.to_json(detail), wid)
+        for i, (kind, detail) in enumerate(history)
+    ]
+    params = (*head, now, n, wid) if head else (n, wid)
+    return _Update(wid, params, rows, [(i,) for i in done])
 
 
 def _in_chunks(conn: sqlite3.Connection, sql: str, keys: Sequence[str]) -> builtins.list[Any]:

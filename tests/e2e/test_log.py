@@ -61,3 +61,24 @@ class TestNothingLost:
         done = collections.Counter(r["workflow_id"] for r in records if r["event"] == "step_done")
         assert done == began
         assert records[-1]["event"] == "daemon_stopped", records[-3:]
+
+
+class TestOddValues:
+    """Workflow code may log a value whose __str__ raises: that costs the log nothing."""
+
+    async def test_a_value_without_text_is_shown_as_a_placeholder(self, tmp_path: Path) -> None:
+        """Its record is written with a placeholder, the records around it too, and the step
+        that logged it (async on the loop, or sync in a worker thread) carries on."""
+        async with running_daemon(tmp_path, ["tests.workflows.logvalues"]) as d, d.client() as c:
+            for kind in ("Async", "Sync"):
+                wid = f"odd-{kind.lower()}"
+                await c.call("start", workflow=f"OddLog{kind}", workflow_id=wid, input={})
+                await wait_status(c, wid, "Finished")
+            odd = await logged(d, "odd_value", count=2)
+            await logged(d, "after_odd", workflow_id="odd-async")
+            steps = await logged(d, "step_done", count=3)
+        assert sorted(r["note"] for r in odd) == ["async", "sync"]
+        assert {r["value"] for r in odd} == {"<Unprintable: str() failed>"}
+        assert {(r["workflow_id"], r["step"]) for r in steps} >= {
+            ("odd-async", "odd"), ("odd-async", "after"), ("odd-sync", "odd"),
+        }  # fmt: skip
