@@ -27,12 +27,12 @@ from daemon.errors import ScheduleNotFound
 from daemon.observe.metrics import Metrics
 from daemon.runtime.fires import (
     SPACING_S,
+    BatchStart,
     Cancel,
     Entry,
     Firer,
     Running,
     Start,
-    StartMany,
     Status,
     never,
 )
@@ -76,7 +76,7 @@ class Schedules:
         grace_s: float = LATE_GRACE_S,
         spacing_s: float = SPACING_S,
         metrics: Metrics | None = None,
-        start_many: StartMany | None = None,
+        batch: BatchStart | None = None,
     ) -> None:
         self._store, self._clock, self._status, self._held = store, clock, status, held
         self._grace = grace_s
@@ -90,7 +90,7 @@ class Schedules:
             running=running,
             spacing_s=spacing_s,
             metrics=metrics,
-            start_many=start_many,
+            batch=batch,
         )
         self._wanted: dict[str, Schedule] = dict(schedules or {})
         self._changed = True

@@ -24,6 +24,7 @@ import anyio
 from daemon import Schedule
 from daemon.clock import SystemClock
 from daemon.observe.metrics import Metrics
+from daemon.runtime.fires import BatchStart
 from daemon.runtime.runtime import Runtime
 from daemon.runtime.schedules import Schedules
 from daemon.runtime.settings import Settings
@@ -168,7 +169,8 @@ async def measure_firing(
         ):
             loop = Schedules(store=store, clock=clock, start=rt.start, cancel=rt.cancel,
                              status=rt.status_of, schedules=made, metrics=metrics,
-                             start_many=rt.start_many if batched else None)  # fmt: skip
+                             batch=BatchStart(rt.prepare_many, rt.launch_many) if batched
+                             else None)  # fmt: skip
             await tg.start(loop.run)
             first = math.ceil((time.time() + 1.0) / every_s) * every_s
             window = (first, first + window_s - every_s / 2)

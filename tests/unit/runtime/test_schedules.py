@@ -16,7 +16,7 @@ from daemon import Schedule
 from daemon.clock import FakeClock
 from daemon.core.schedule import workflow_id
 from daemon.errors import ScheduleNotFound
-from daemon.runtime.fires import SPACING_S
+from daemon.runtime.fires import SPACING_S, BatchStart
 from daemon.runtime.runtime import Runtime
 from daemon.runtime.schedules import Schedules
 from daemon.store.base import FireRecord, History, WorkflowRow
@@ -81,7 +81,7 @@ async def bench(
             schedules={s.name: s for s in schedules},
             grace_s=grace_s,
             # A start of the test's own makes every fire take the one-at-a-time path.
-            start_many=None if start else rt.start_many,
+            batch=None if start else BatchStart(rt.prepare_many, rt.launch_many),
         )
         rt.on_exit = b.schedules.workflow_exited
         await tg.start(b.schedules.run)
@@ -155,11 +155,11 @@ class TestFiring:
         calls: list[str] = []
 
         async def flaky(workflow: str, wid: str | None = None, input: Any = None, *,
-                        create: Any = None) -> dict[str, Any]:  # fmt: skip
+                        create: Any = None, quiet: bool = False) -> dict[str, Any]:  # fmt: skip
             calls.append(str(wid))
             if len(calls) == 1:
                 raise OSError("disk full")
-            return await real(workflow, wid, input, create=create)
+            return await real(workflow, wid, input, create=create, quiet=quiet)
 
         s = Schedule("flaky", "Chime", every=10)
         async with bench(tmp_path / "db", s, start=flaky) as b:
