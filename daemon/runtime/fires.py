@@ -313,6 +313,11 @@ class Firer:
 
     # -- many on-time fires at once ---------------------------------------------------------
 
+    @property
+    def batching(self) -> bool:
+        """Tell whether on-time fires can be prepared and started in batches."""
+        return self._batch is not None
+
     def batchable(self, e: Entry, p: Plan) -> bool:
         """Tell whether plan `p` is a plain start that can share one write with others.
 
@@ -435,3 +440,7 @@ class Batch:
 
     ready: list[Ready] = field(default_factory=list)
     failed: list[tuple[Entry, Exception]] = field(default_factory=list)
+
+    def entries(self) -> list[Entry]:
+        """Return the schedules of the batch, ready or failed."""
+        return [*(f.entry for f in self.ready), *(e for e, _ in self.failed)]
