@@ -46,8 +46,17 @@ class Start(Protocol):
 CreateMany = Callable[[Sequence[tuple[WorkflowRow, History]]], Awaitable[list[bool]]]
 
 
-#: Builds many starts (type, id, input) ahead of their write: a built start (opaque here) or
-#: the error each.
+class Built(Protocol):
+    """What a start built by the runtime shows: the row and history its launch writes."""
+
+    @property
+    def row(self) -> WorkflowRow: ...
+
+    @property
+    def history(self) -> History: ...
+
+
+#: Builds many starts (type, id, input) ahead of their write: a `Built` start or the error each.
 PrepareMany = Callable[[Sequence[tuple[str, str, dict[str, Any] | None]]], list[Any]]
 
 
@@ -355,9 +364,18 @@ class Firer:
         for f, built in zip(fires, self._batch.prepare(starts), strict=True):
             if isinstance(built, Exception):
                 out.failed.append((f.entry, built))
-            else:
-                f.built = built
-                out.ready.append(f)
+                continue
+            b: Built = built
+            name = f.entry.schedule.name
+            for _, detail in b.history:  # its own entries, fresh: tagged in place
+                detail["schedule"], detail["nominal"] = name, f.iso
+            # The record's time is the store's, stamped in the transaction that writes it.
+            record = FireRecord(0.0, f.kind, nominal=f.nominal, workflow_id=f.workflow_id)
+            f.built, f.fire = (
+                built,
+                ScheduleFire(name, b.row, b.history, last_nominal=f.nominal, records=[record]),
+            )
+            out.ready.append(f)
         return out
 
     async def commit(self, batch: Batch) -> list[tuple[Entry, Exception]]:
@@ -374,19 +392,10 @@ class Firer:
 
         async def create(rows: Sequence[tuple[WorkflowRow, History]]) -> list[bool]:
             fires = []
-            for row, history in rows:
-                f = about[row.id]
-                name = f.entry.schedule.name
-                tag = {"schedule": name, "nominal": f.iso}
-                fires.append(
-                    ScheduleFire(
-                        name,
-                        row,
-                        [(k, {**detail, **tag}) for k, detail in history],
-                        last_nominal=f.nominal,
-                        records=[FireRecord(now, f.kind, nominal=f.nominal, workflow_id=row.id)],
-                    )
-                )
+            for row, _ in rows:
+                fire = about[row.id].fire
+                assert fire is not None and fire.row is row  # built by `prepare`, stamped since
+                fires.append(fire)
             created = await self._store.schedule_fire_many(fires)
             written.update(row.id for row, _ in rows)
             return created
@@ -430,8 +439,10 @@ class Ready:
     kind: str
     workflow_id: str
     iso: str
-    #: The runtime's built workflow (opaque here), which its `launch` starts.
+    #: The runtime's built workflow (a `Built`), which its `launch` starts.
     built: Any = None
+    #: What the store writes for it: the workflow's row and history, the schedule's advance.
+    fire: ScheduleFire | None = None
 
 
 @dataclass(eq=False, slots=True)
