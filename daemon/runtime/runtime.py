@@ -405,18 +405,23 @@ class Runtime:
         self._check_open()
         out: builtins.list[Prepared | Exception] = []
         #: (type, input as JSON) -> a workflow built from them: schedules share their input.
-        built: dict[tuple[str, bytes | None], Workflow] = {}
+        built: dict[tuple[str, bytes | None], _Twin] = {}
         for workflow, wid, input in starts:
             key = (workflow, _input_key(input))
-            like = built.get(key) if key[1] is not None else None
+            twin = built.get(key) if key[1] is not None else None
+            if twin is not None and self.cache.workflow_type(workflow) is type(twin.wf):
+                out.append(twin.make(wid, workflow, input, self.clock.now()))
+                continue
             try:
-                loaded, row, history = self._new_row(workflow, wid, input, None, None, like=like)
+                loaded, row, history = self._new_row(workflow, wid, input, None, None)
             except Exception as e:  # noqa: BLE001 - answered to its caller, the others go on
                 out.append(e)
                 continue
-            if like is None and key[1] is not None and _copyable(loaded.wf):
-                built[key] = loaded.wf
             timeout = None if row.deadline is None else timeout_of(type(loaded.wf))
+            if key[1] is not None and _copyable(loaded.wf):
+                made = _Twin.of(loaded.wf, row, timeout)
+                if made is not None:
+                    built[key] = made
             out.append(Prepared(loaded, row, history, timeout))
         return out
 
@@ -460,17 +465,11 @@ class Runtime:
         input: dict[str, Any] | None,
         parent: str | None,
         timeout_s: float | None,
-        *,
-        like: Workflow | None = None,
     ) -> tuple[Loaded, WorkflowRow, History]:
-        """Make a new workflow's row and its first history entry, not yet written.
-
-        `like` is a workflow just built from the same type and input that `_copyable` allows:
-        copied, it is this one's data at a fraction of the cost of building it.
-        """
+        """Make a new workflow's row and its first history entry, not yet written."""
         cls = self.cache.workflow_type(workflow)
         wid = workflow_id or uuid.uuid4().hex
-        wf = _copy(like) if like is not None and type(like) is cls else cls.from_input(input)
+        wf = cls.from_input(input)
         state = State.new(wid, workflow)
         now = time.time()
         if timeout_s is not None and not (0 < timeout_s < float("inf")):
@@ -868,6 +867,48 @@ def _copy(wf: Workflow) -> Workflow:
     twin = object.__new__(type(wf))
     twin.__dict__.update(wf.__dict__)
     return twin
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Twin:
+    """What the starts of one type and input share: made once, each start is a copy of it.
+
+    The workflow's data (a `_copyable` one: its JSON is the same for each copy), and its new
+    state's JSON around the id, which alone differs.
+    """
+
+    wf: Workflow
+    data: str
+    state: tuple[str, str]
+    timeout: float | None
+
+    @classmethod
+    def of(cls, wf: Workflow, row: WorkflowRow, timeout: float | None) -> _Twin | None:
+        """Return the twin of a workflow just built for `row`, or None if none can be made."""
+        mark = msgspec.json.encode(uuid.uuid4().hex).decode()  # stands for the id, once
+        before, found, after = State.new(mark[1:-1], row.name).to_json().partition(mark)
+        if not found or mark in after:
+            return None
+        return cls(wf, row.data, (before, after), timeout)
+
+    def make(self, wid: str, workflow: str, input: dict[str, Any] | None, now: float) -> Prepared:
+        """Return a new start of this type and input, with id `wid`."""
+        wf = _copy(self.wf)
+        state = State.new(wid, workflow)
+        before, after = self.state
+        deadline = None if self.timeout is None else now + self.timeout
+        row = WorkflowRow(
+            wid,
+            workflow,
+            state.status,
+            self.data,
+            f"{before}{msgspec.json.encode(wid).decode()}{after}",
+            deadline=deadline,
+        )
+        started: dict[str, Any] = {"input": input or {}}
+        if deadline is not None:
+            started["deadline"] = deadline
+        return Prepared(Loaded(wf, state), row, [("started", started)], self.timeout)
 
 
 def _cancelled_again(workflow_id: str, status: str) -> dict[str, Any]:
