@@ -58,9 +58,13 @@ MAX_WORKERS = 4096
 #: On-time fires due in one loop turn go to the store together, this many per transaction:
 #: one write a batch instead of one a fire, and the first ones commit while the rest are made.
 BATCH_MAX = 500
-#: On-time fires are built this long before they are due (their ids, workflows and rows), so
-#: that at the due instant only their write is left; nothing is written before then.
-PREPARE_S = 0.5
+#: On-time fires are built up to this long before they are due (their ids, workflows and
+#: rows), so that at the due instant only their write is left; nothing is written before
+#: then. An `every=1` schedule is built again as soon as its last fire is written.
+PREPARE_S = 1.0
+#: Fires are built ahead this many at a time (~50 ms of the loop), the loop's other work
+#: running between.
+PREPARE_SLICE = 2000
 RETRY_INITIAL_S, RETRY_MAX_S = 1.0, 60.0
 
 
@@ -216,8 +220,9 @@ class Schedules:
                 back.append((e, token))
         batches: builtins.list[Batch] = []
         for i in range(0, len(ready), BATCH_MAX):
+            if i and i % PREPARE_SLICE == 0:
+                await anyio.lowlevel.checkpoint()  # building 10,000 takes a while
             batches.append(self._fires.prepare([(e, p) for e, _, p, _ in ready[i : i + BATCH_MAX]]))
-            await anyio.lowlevel.checkpoint()  # building 10,000 takes a while: others run between
         await self._clock.sleep_until(at)
         # Nothing is durable before its time: from here the fires are checked and written.
         valid = {id(e): (token, seen) for e, token, _, seen in ready}
