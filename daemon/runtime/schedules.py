@@ -219,15 +219,19 @@ class Schedules:
             else:
                 back.append((e, token))
         batches: builtins.list[Batch] = []
-        for i in range(0, len(ready), BATCH_MAX):
-            if i and i % PREPARE_SLICE == 0:
-                await anyio.lowlevel.checkpoint()  # building 10,000 takes a while
-            batches.append(self._fires.prepare([(e, p) for e, _, p, _ in ready[i : i + BATCH_MAX]]))
+        try:
+            for i in range(0, len(ready), BATCH_MAX):
+                if i and i % PREPARE_SLICE == 0:
+                    await anyio.lowlevel.checkpoint()  # building 10,000 takes a while
+                chunk = [(e, p) for e, _, p, _ in ready[i : i + BATCH_MAX]]
+                batches.append(self._fires.prepare(chunk))
+        except Exception:  # noqa: BLE001 - decided at its time, where a failure is logged and retried
+            batches, back = [], [*back, *((e, token) for e, token, _, _ in ready)]
         await self._clock.sleep_until(at)
         # Nothing is durable before its time: from here the fires are checked and written.
         valid = {id(e): (token, seen) for e, token, _, seen in ready}
         held = self._held()
-        chunk = Batch()
+        pending = Batch()
         for b in batches:
             back += [(e, valid[id(e)][0]) for e, _ in b.failed]  # decided again, alone
             for f in b.ready:
@@ -240,12 +244,12 @@ class Schedules:
                     continue
                 e.busy = True
                 await e.lock.acquire()  # free (checked just above): this never waits
-                chunk.ready.append(f)
-                if len(chunk.ready) >= BATCH_MAX:  # each batch runs its workflows once written
-                    self._spawn(self._fire_batch, chunk)
-                    chunk = Batch()
-        if chunk.ready:
-            self._spawn(self._fire_batch, chunk)
+                pending.ready.append(f)
+                if len(pending.ready) >= BATCH_MAX:  # each batch runs its workflows once written
+                    self._spawn(self._fire_batch, pending)
+                    pending = Batch()
+        if pending.ready:
+            self._spawn(self._fire_batch, pending)
         now = self._clock.now()
         for e, token in back:
             if e.token == token:

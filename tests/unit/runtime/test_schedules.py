@@ -559,3 +559,20 @@ class TestPrepared:
             assert (await b.rt.show(wid))["data"]["label"] == "new"
             await b.to(T0 + 11)
             assert await b.kinds("r") == ["fired"]  # once: the fire built before is dropped
+
+    async def test_a_failure_to_build_ahead_fires_at_its_time(self, tmp_path: Path) -> None:
+        """If building the fires ahead raises, each is decided at its time as any due fire."""
+        s = Schedule("f", "Chime", every=10, overlap="allow")
+        async with bench(tmp_path / "db", s) as b:
+            real, calls = b.schedules._fires.prepare, list[int]()
+
+            def broken(batch: Any) -> Any:
+                calls.append(len(batch))
+                if len(calls) == 1:
+                    raise RuntimeError("built nothing")
+                return real(batch)
+
+            b.schedules._fires.prepare = broken  # type: ignore[method-assign]
+            await b.to(T0 + 10)
+            assert await fired_ids(b, "f", 1) == [workflow_id("f", T0 + 10)]
+            assert calls[0] == 1 and await b.kinds("f") == ["fired"]
