@@ -2,7 +2,8 @@
 
 The start commits the schedule's bookkeeping in the workflow's own transaction (the runtime's
 start path with a `create` of ours), so a crash never loses or doubles a fire. Plain on-time
-fires due together start together (`fire_many`): one transaction for all of them.
+fires due together start together: built ahead (`prepare`), then written in one
+transaction for all of them at their time (`commit`).
 """
 
 from __future__ import annotations
@@ -424,10 +425,6 @@ class Firer:
                 created=result.get("created"),
             )
         return failed
-
-    async def fire_many(self, batch: Sequence[tuple[Entry, Plan]]) -> list[tuple[Entry, Exception]]:
-        """Build and start the workflows of many batchable plans at once (`prepare`, `commit`)."""
-        return await self.commit(self.prepare(batch))
 
 
 @dataclass(eq=False, slots=True)
