@@ -39,6 +39,7 @@ from daemon.ops.modules import load_registry, schedules_of
 from daemon.ops.reload import Reloader, settings_of
 from daemon.ops.repairs import Repairs
 from daemon.runtime.cache import Cache
+from daemon.runtime.fires import BatchStart
 from daemon.runtime.runtime import Runtime
 from daemon.runtime.schedules import Schedules
 from daemon.runtime.steps import ABANDONED
@@ -208,7 +209,7 @@ async def run_daemon(
                 held=lambda: rt.scheduler.hold.held,
                 schedules=schedules,
                 metrics=metrics,
-                start_many=rt.start_many,
+                batch=BatchStart(rt.prepare_many, rt.launch_many),
             )
             hooks = Hooks(
                 queue=LeaderQueue(store) if isinstance(store, PostgresStore) else store,

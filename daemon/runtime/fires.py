@@ -2,7 +2,8 @@
 
 The start commits the schedule's bookkeeping in the workflow's own transaction (the runtime's
 start path with a `create` of ours), so a crash never loses or doubles a fire. Plain on-time
-fires due together start together (`fire_many`): one transaction for all of them.
+fires due together start together: built ahead (`prepare`), then written in one
+transaction for all of them at their time (`commit`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Start(Protocol):
         input: dict[str, Any] | None = None,
         *,
         create: Callable[[WorkflowRow, History], Awaitable[bool]] | None = None,
+        quiet: bool = False,
     ) -> dict[str, Any]: ...
 
 
@@ -45,12 +47,34 @@ class Start(Protocol):
 CreateMany = Callable[[Sequence[tuple[WorkflowRow, History]]], Awaitable[list[bool]]]
 
 
-class StartMany(Protocol):
-    """The runtime's batch start: (type, id, input) each, one write, an answer or error each."""
+class Built(Protocol):
+    """What a start built by the runtime shows: the row and history its launch writes."""
+
+    @property
+    def row(self) -> WorkflowRow: ...
+
+    @property
+    def history(self) -> History: ...
+
+
+#: Builds many starts (type, id, input) ahead of their write: a `Built` start or the error each.
+PrepareMany = Callable[[Sequence[tuple[str, str, dict[str, Any] | None]]], list[Any]]
+
+
+class LaunchMany(Protocol):
+    """Writes built starts with one `create`, then runs them: an answer or error each."""
 
     async def __call__(
-        self, starts: Sequence[tuple[str, str, dict[str, Any] | None]], *, create: CreateMany
+        self, prepared: Sequence[Any], *, create: CreateMany
     ) -> list[dict[str, Any] | Exception]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class BatchStart:
+    """The runtime's batch start in two steps: build the workflows ahead, then write them."""
+
+    prepare: PrepareMany
+    launch: LaunchMany
 
 
 #: Cancels a workflow (the runtime's cancel).
@@ -118,12 +142,12 @@ class Firer:
         running: Running = never,
         spacing_s: float = SPACING_S,
         metrics: Metrics | None = None,
-        start_many: StartMany | None = None,
+        batch: BatchStart | None = None,
     ) -> None:
         self._store, self._clock = store, clock
         self._metrics = metrics
         self._start, self._cancel, self._status, self._running = start, cancel, status, running
-        self._start_many = start_many
+        self._batch = batch
         self.spacing_s = spacing_s
         #: A running workflow id -> the schedule whose buffered fire waits for it to end.
         self._waiting: dict[str, Entry] = {}
@@ -272,7 +296,8 @@ class Firer:
             return created
 
         try:
-            result = await self._start(s.workflow, wid, s.input, create=create)
+            # Logged once, as `schedule_fired` (which names the workflow) below.
+            result = await self._start(s.workflow, wid, s.input, create=create, quiet=True)
         finally:
             if committed:  # even if the start failed after the write, the fire is spent
                 if advance is not None:
@@ -298,13 +323,18 @@ class Firer:
 
     # -- many on-time fires at once ---------------------------------------------------------
 
+    @property
+    def batching(self) -> bool:
+        """Tell whether on-time fires can be prepared and started in batches."""
+        return self._batch is not None
+
     def batchable(self, e: Entry, p: Plan) -> bool:
         """Tell whether plan `p` is a plain start that can share one write with others.
 
         It is when nothing is given up, no buffered fire waits, and the overlap policy needs
         no question answered (`allow`, or the last run was seen ending).
         """
-        if self._start_many is None or p.nominal is None or p.given_up or e.release_due:
+        if self._batch is None or p.nominal is None or p.given_up or e.release_due:
             return False
         wid = e.last_workflow_id
         return (
@@ -313,18 +343,14 @@ class Firer:
             or (e.last_ended and not self._running(wid))
         )
 
-    async def fire_many(self, batch: Sequence[tuple[Entry, Plan]]) -> list[tuple[Entry, Exception]]:
-        """Start the workflows of many batchable plans in one transaction; return the failures.
+    def prepare(self, batch: Sequence[tuple[Entry, Plan]]) -> Batch:
+        """Build the workflows of many batchable plans, ahead of their time; nothing is written.
 
-        Each schedule's row and fire record commit with its workflow, as in `fire`. A start
-        that could not be made (its input no longer fits, say) is returned with its error; if
-        the write itself fails, this raises and nothing was committed.
+        A start that cannot be built (its input no longer fits, say) is kept as a failure.
         """
-        assert self._start_many is not None
-        now = self._clock.now()
+        assert self._batch is not None
         starts: list[tuple[str, str, dict[str, Any] | None]] = []
-        #: workflow id -> (entry, nominal, kind, nominal as ISO)
-        about: dict[str, tuple[Entry, float, str, str]] = {}
+        fires: list[Ready] = []
         isos: dict[float, str] = {}  # the schedules of a batch mostly share their nominal time
         for e, p in batch:
             s, n = e.schedule, p.nominal
@@ -334,32 +360,53 @@ class Firer:
                 at = isos[n] = iso(n)
             wid = workflow_id(s.name, n, at)
             starts.append((s.workflow, wid, s.input))
-            about[wid] = (e, n, "caught_up" if p.catch_up else "fired", at)
+            fires.append(Ready(e, n, "caught_up" if p.catch_up else "fired", wid, at))
+        out = Batch()
+        for f, built in zip(fires, self._batch.prepare(starts), strict=True):
+            if isinstance(built, Exception):
+                out.failed.append((f.entry, built))
+                continue
+            b: Built = built
+            name = f.entry.schedule.name
+            for _, detail in b.history:  # its own entries, fresh: tagged in place
+                detail["schedule"], detail["nominal"] = name, f.iso
+            # The record's time is the store's, stamped in the transaction that writes it.
+            record = FireRecord(0.0, f.kind, nominal=f.nominal, workflow_id=f.workflow_id)
+            f.built, f.fire = (
+                built,
+                ScheduleFire(name, b.row, b.history, last_nominal=f.nominal, records=[record]),
+            )
+            out.ready.append(f)
+        return out
+
+    async def commit(self, batch: Batch) -> list[tuple[Entry, Exception]]:
+        """Start a prepared batch's workflows in one transaction; return the failures.
+
+        Each schedule's row and fire record commit with its workflow, as in `fire`. A start
+        that could not be made is returned with its error; if the write itself fails, this
+        raises and nothing was committed.
+        """
+        assert self._batch is not None
+        now = self._clock.now()
+        about = {f.workflow_id: f for f in batch.ready}
+        written: set[str] = set()
 
         async def create(rows: Sequence[tuple[WorkflowRow, History]]) -> list[bool]:
             fires = []
-            for row, history in rows:
-                e, n, kind, at = about[row.id]
-                tag = {"schedule": e.schedule.name, "nominal": at}
-                fires.append(
-                    ScheduleFire(
-                        e.schedule.name,
-                        row,
-                        [(k, {**detail, **tag}) for k, detail in history],
-                        last_nominal=n,
-                        records=[FireRecord(now, kind, nominal=n, workflow_id=row.id)],
-                    )
-                )
+            for row, _ in rows:
+                fire = about[row.id].fire
+                assert fire is not None and fire.row is row  # built by `prepare`, stamped since
+                fires.append(fire)
             created = await self._store.schedule_fire_many(fires)
             written.update(row.id for row, _ in rows)
             return created
 
-        written: set[str] = set()
-        results = await self._start_many(starts, create=create)
-        failed: list[tuple[Entry, Exception]] = []
-        for (wid, (e, n, kind, _)), result in zip(about.items(), results, strict=True):
+        results = await self._batch.launch([f.built for f in batch.ready], create=create)
+        failed = list(batch.failed)
+        for f, result in zip(batch.ready, results, strict=True):
+            e, wid = f.entry, f.workflow_id
             if wid in written:  # even if its start failed after the write, the fire is spent
-                e.last = max(e.last, n)
+                e.last = max(e.last, f.nominal)
                 if e.last_workflow_id is not None:
                     self._last_of.pop(e.last_workflow_id, None)
                 e.last_workflow_id, e.last_fire_at, e.fired_at = wid, now, now
@@ -367,14 +414,41 @@ class Firer:
             if isinstance(result, Exception):
                 failed.append((e, result))
                 continue
-            self._count(e.schedule.name, kind)
+            self._count(e.schedule.name, f.kind)
             log.info(
                 "schedule_fired",
                 schedule=e.schedule.name,
                 workflow_id=wid,
                 workflow=e.schedule.workflow,
-                kind=kind,
-                late_s=round(now - n, 3),
+                kind=f.kind,
+                late_s=round(now - f.nominal, 3),
                 created=result.get("created"),
             )
         return failed
+
+
+@dataclass(eq=False, slots=True)
+class Ready:
+    """One on-time fire of a batch: its schedule, nominal time and workflow, built ahead."""
+
+    entry: Entry
+    nominal: float
+    kind: str
+    workflow_id: str
+    iso: str
+    #: The runtime's built workflow (a `Built`), which its `launch` starts.
+    built: Any = None
+    #: What the store writes for it: the workflow's row and history, the schedule's advance.
+    fire: ScheduleFire | None = None
+
+
+@dataclass(eq=False, slots=True)
+class Batch:
+    """Fires prepared together: the ones ready to commit, and the ones that failed to build."""
+
+    ready: list[Ready] = field(default_factory=list)
+    failed: list[tuple[Entry, Exception]] = field(default_factory=list)
+
+    def entries(self) -> list[Entry]:
+        """Return the schedules of the batch, ready or failed."""
+        return [*(f.entry for f in self.ready), *(e for e, _ in self.failed)]

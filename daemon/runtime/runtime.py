@@ -49,6 +49,17 @@ Create = Callable[[WorkflowRow, History], Awaitable[bool]]
 CreateMany = Callable[[Sequence[tuple[WorkflowRow, History]]], Awaitable[builtins.list[bool]]]
 
 
+@dataclasses.dataclass(slots=True)
+class Prepared:
+    """A workflow built by `Runtime.prepare_many`, not yet written: `launch_many` starts it."""
+
+    loaded: Loaded
+    row: WorkflowRow
+    history: History
+    #: Its deadline's seconds, counted again from the write (None: no deadline).
+    timeout: float | None
+
+
 class LogSource(Protocol):
     """What the runtime needs of the log hub to serve `logs`."""
 
@@ -354,18 +365,20 @@ class Runtime:
         create: Create | None = None,
         parent: str | None = None,
         timeout_s: float | None = None,
+        quiet: bool = False,
     ) -> dict[str, Any]:
         """Create a workflow and schedule it; starting an existing id returns it unchanged.
 
         `create` writes the new row instead of `store.create` (a schedule commits its own
         bookkeeping in the same transaction); it returns False if the id exists. `parent` is
         the workflow whose Child case starts it; `timeout_s` overrides the class's deadline.
+        `quiet` leaves out the `workflow_started` line: the caller logs the start its way.
         """
         self._check_open()
         loaded, row, history = self._new_row(workflow, workflow_id, input, parent, timeout_s)
         if not await (create or self.store.create)(row, history):
             return await self._existing(row.id, workflow)
-        return self._launch(loaded, row)
+        return self._launch(loaded, row, quiet=quiet)
 
     async def start_many(
         self, starts: Sequence[tuple[str, str, dict[str, Any] | None]], *, create: CreateMany
@@ -376,37 +389,73 @@ class Runtime:
         of the write; the others go on. `create` writes the new rows at once, as `start`'s
         `create` does one, and says which were inserted; if it raises, so does this.
         """
+        made = self.prepare_many(starts)
+        ready = [m for m in made if isinstance(m, Prepared)]
+        out = iter(await self.launch_many(ready, create=create))
+        return [m if isinstance(m, Exception) else next(out) for m in made]
+
+    def prepare_many(
+        self, starts: Sequence[tuple[str, str, dict[str, Any] | None]]
+    ) -> builtins.list[Prepared | Exception]:
+        """Build many workflows (type, id, input) ahead of their start; nothing is written.
+
+        A start that cannot be made (an unknown type, bad input) gets its error instead. The
+        rows are stamped again when `launch_many` writes them: built early, they are not old.
+        """
         self._check_open()
-        # Every slot is filled below: with its error here, or with its answer after the write.
-        out: builtins.list[dict[str, Any] | Exception] = [{}] * len(starts)
-        made: builtins.list[tuple[int, Loaded, WorkflowRow, str]] = []
-        rows: builtins.list[tuple[WorkflowRow, History]] = []
+        out: builtins.list[Prepared | Exception] = []
         #: (type, input as JSON) -> a workflow built from them: schedules share their input.
-        built: dict[tuple[str, bytes | None], Workflow] = {}
-        for i, (workflow, wid, input) in enumerate(starts):
+        built: dict[tuple[str, bytes | None], _Twin] = {}
+        for workflow, wid, input in starts:
             key = (workflow, _input_key(input))
-            like = built.get(key) if key[1] is not None else None
-            try:
-                loaded, row, history = self._new_row(workflow, wid, input, None, None, like=like)
-            except Exception as e:  # noqa: BLE001 - answered to its caller, the others go on
-                out[i] = e
+            twin = built.get(key) if key[1] is not None else None
+            if twin is not None and self.cache.workflow_type(workflow) is type(twin.wf):
+                out.append(twin.make(wid, workflow, input, self.clock.now()))
                 continue
-            if like is None and key[1] is not None and _copyable(loaded.wf):
-                built[key] = loaded.wf
-            made.append((i, loaded, row, workflow))
-            rows.append((row, history))
-        if not rows:
-            return out
-        created = await create(rows)
-        for (i, loaded, row, workflow), inserted in zip(made, created, strict=True):
             try:
-                out[i] = (
-                    self._launch(loaded, row)
+                loaded, row, history = self._new_row(workflow, wid, input, None, None)
+            except Exception as e:  # noqa: BLE001 - answered to its caller, the others go on
+                out.append(e)
+                continue
+            timeout = None if row.deadline is None else timeout_of(type(loaded.wf))
+            if key[1] is not None and _copyable(loaded.wf):
+                made = _Twin.of(loaded.wf, row, timeout)
+                if made is not None:
+                    built[key] = made
+            out.append(Prepared(loaded, row, history, timeout))
+        return out
+
+    async def launch_many(
+        self, prepared: Sequence[Prepared], *, create: CreateMany
+    ) -> builtins.list[dict[str, Any] | Exception]:
+        """Write workflows built by `prepare_many` with one `create`, then run them.
+
+        Their rows are stamped with the time of this write (and their deadlines counted from
+        it). The caller logs each start (a schedule's `schedule_fired` names the workflow), so
+        no `workflow_started` line is added. One answer or error each; if `create` raises, so
+        does this.
+        """
+        self._check_open()
+        if not prepared:
+            return []
+        now, clock_now = time.time(), self.clock.now()
+        for p in prepared:
+            row = p.row
+            row.created_at = row.updated_at = now
+            if p.timeout is not None:
+                row.deadline = clock_now + p.timeout
+                p.history[0][1]["deadline"] = row.deadline
+        created = await create([(p.row, p.history) for p in prepared])
+        out: builtins.list[dict[str, Any] | Exception] = []
+        for p, inserted in zip(prepared, created, strict=True):
+            try:
+                out.append(
+                    self._launch(p.loaded, p.row, quiet=True)
                     if inserted
-                    else await self._existing(row.id, workflow)
+                    else await self._existing(p.row.id, p.row.name)
                 )
             except Exception as e:  # noqa: BLE001 - answered to its caller, the others go on
-                out[i] = e
+                out.append(e)
         return out
 
     def _new_row(
@@ -416,17 +465,11 @@ class Runtime:
         input: dict[str, Any] | None,
         parent: str | None,
         timeout_s: float | None,
-        *,
-        like: Workflow | None = None,
     ) -> tuple[Loaded, WorkflowRow, History]:
-        """Make a new workflow's row and its first history entry, not yet written.
-
-        `like` is a workflow just built from the same type and input that `_copyable` allows:
-        copied, it is this one's data at a fraction of the cost of building it.
-        """
+        """Make a new workflow's row and its first history entry, not yet written."""
         cls = self.cache.workflow_type(workflow)
         wid = workflow_id or uuid.uuid4().hex
-        wf = _copy(like) if like is not None and type(like) is cls else cls.from_input(input)
+        wf = cls.from_input(input)
         state = State.new(wid, workflow)
         now = time.time()
         if timeout_s is not None and not (0 < timeout_s < float("inf")):
@@ -462,10 +505,11 @@ class Runtime:
             )
         return {"workflow_id": wid, "status": existing.status, "created": False}
 
-    def _launch(self, loaded: Loaded, row: WorkflowRow) -> dict[str, Any]:
-        """Run a workflow whose row was just written."""
+    def _launch(self, loaded: Loaded, row: WorkflowRow, *, quiet: bool = False) -> dict[str, Any]:
+        """Run a workflow whose row was just written; `quiet` when the caller logs the start."""
         wid = row.id
-        log.info("workflow_started", workflow_id=wid, workflow=row.name, parent=row.parent)
+        if not quiet:
+            log.info("workflow_started", workflow_id=wid, workflow=row.name, parent=row.parent)
         if self.leases is not None:  # whichever daemon is free claims it (woken by a NOTIFY)
             return {"workflow_id": wid, "status": loaded.state.status.value, "created": True}
         if row.deadline is not None:
@@ -823,6 +867,48 @@ def _copy(wf: Workflow) -> Workflow:
     twin = object.__new__(type(wf))
     twin.__dict__.update(wf.__dict__)
     return twin
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Twin:
+    """What the starts of one type and input share: made once, each start is a copy of it.
+
+    The workflow's data (a `_copyable` one: its JSON is the same for each copy), and its new
+    state's JSON around the id, which alone differs.
+    """
+
+    wf: Workflow
+    data: str
+    state: tuple[str, str]
+    timeout: float | None
+
+    @classmethod
+    def of(cls, wf: Workflow, row: WorkflowRow, timeout: float | None) -> _Twin | None:
+        """Return the twin of a workflow just built for `row`, or None if none can be made."""
+        mark = msgspec.json.encode(uuid.uuid4().hex).decode()  # stands for the id, once
+        before, found, after = State.new(mark[1:-1], row.name).to_json().partition(mark)
+        if not found or mark in after:
+            return None
+        return cls(wf, row.data, (before, after), timeout)
+
+    def make(self, wid: str, workflow: str, input: dict[str, Any] | None, now: float) -> Prepared:
+        """Return a new start of this type and input, with id `wid`."""
+        wf = _copy(self.wf)
+        state = State.new(wid, workflow)
+        before, after = self.state
+        deadline = None if self.timeout is None else now + self.timeout
+        row = WorkflowRow(
+            wid,
+            workflow,
+            state.status,
+            self.data,
+            f"{before}{msgspec.json.encode(wid).decode()}{after}",
+            deadline=deadline,
+        )
+        started: dict[str, Any] = {"input": input or {}}
+        if deadline is not None:
+            started["deadline"] = deadline
+        return Prepared(Loaded(wf, state), row, [("started", started)], self.timeout)
 
 
 def _cancelled_again(workflow_id: str, status: str) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import structlog
 
 from daemon.clock import Clock
@@ -27,12 +28,13 @@ from daemon.errors import ScheduleNotFound
 from daemon.observe.metrics import Metrics
 from daemon.runtime.fires import (
     SPACING_S,
+    Batch,
+    BatchStart,
     Cancel,
     Entry,
     Firer,
     Running,
     Start,
-    StartMany,
     Status,
     never,
 )
@@ -56,6 +58,13 @@ MAX_WORKERS = 4096
 #: On-time fires due in one loop turn go to the store together, this many per transaction:
 #: one write a batch instead of one a fire, and the first ones commit while the rest are made.
 BATCH_MAX = 500
+#: On-time fires are built up to this long before they are due (their ids, workflows and
+#: rows), so that at the due instant only their write is left; nothing is written before
+#: then. An `every=1` schedule is built again as soon as its last fire is written.
+PREPARE_S = 1.0
+#: Fires are built ahead this many at a time (~50 ms of the loop), the loop's other work
+#: running between.
+PREPARE_SLICE = 2000
 RETRY_INITIAL_S, RETRY_MAX_S = 1.0, 60.0
 
 
@@ -76,7 +85,7 @@ class Schedules:
         grace_s: float = LATE_GRACE_S,
         spacing_s: float = SPACING_S,
         metrics: Metrics | None = None,
-        start_many: StartMany | None = None,
+        batch: BatchStart | None = None,
     ) -> None:
         self._store, self._clock, self._status, self._held = store, clock, status, held
         self._grace = grace_s
@@ -90,7 +99,7 @@ class Schedules:
             running=running,
             spacing_s=spacing_s,
             metrics=metrics,
-            start_many=start_many,
+            batch=batch,
         )
         self._wanted: dict[str, Schedule] = dict(schedules or {})
         self._changed = True
@@ -168,12 +177,83 @@ class Schedules:
                 else:
                     batch.append((e, p))
                     if len(batch) >= BATCH_MAX:
-                        self._spawn(self._fire_batch, batch)
+                        self._spawn(self._fire_batch, self._fires.prepare(batch))
                         batch = []
             if batch:
-                self._spawn(self._fire_batch, batch)
-            deadline = min(self._heap[0][0] if self._heap else math.inf, now + MAX_SLEEP_S)
+                self._spawn(self._fire_batch, self._fires.prepare(batch))
+            lead = self._lead()
+            if lead:
+                self._take_ahead(now + lead)
+            deadline = min(self._heap[0][0] - lead if self._heap else math.inf, now + MAX_SLEEP_S)
             await self._nap(deadline)
+
+    def _lead(self) -> float:
+        """Return how long before their time fires are prepared (0: they are not)."""
+        return PREPARE_S if self._fires.batching and not self._held() else 0.0
+
+    def _take_ahead(self, until: float) -> None:
+        """Take the schedules due by `until` off the heap, to be prepared by their time."""
+        groups: dict[float, list[tuple[Entry, int]]] = {}
+        while self._heap and self._heap[0][0] <= until:
+            at, token, name = heapq.heappop(self._heap)
+            e = self._entries.get(name)
+            if e is not None and e.token == token:
+                groups.setdefault(at, []).append((e, token))
+        for at, group in groups.items():
+            self._spawn(self._prepared, at, group)
+
+    async def _prepared(self, at: float, group: builtins.list[tuple[Entry, int]]) -> None:
+        """Build the on-time fires of a group due at `at`, then write them at `at`.
+
+        A schedule that changed meanwhile (a pause, a trigger, a reload, its last run
+        ending) or that is not a plain on-time start is handed back at `at` and decided
+        then as any due schedule; one that was put back in the heap meanwhile is left to it.
+        """
+        ready: builtins.list[tuple[Entry, int, Plan, tuple[Any, ...]]] = []
+        back: builtins.list[tuple[Entry, int]] = []
+        for e, token in group:
+            p = e.plan(at)
+            plain = not (e.busy or e.paused or e.held or p.catch_up)
+            if plain and e.due_at(p, self._fires.spacing_s) <= at and self._fires.batchable(e, p):
+                ready.append((e, token, p, _seen(e)))
+            else:
+                back.append((e, token))
+        batches: builtins.list[Batch] = []
+        try:
+            for i in range(0, len(ready), BATCH_MAX):
+                if i and i % PREPARE_SLICE == 0:
+                    await anyio.lowlevel.checkpoint()  # building 10,000 takes a while
+                chunk = [(e, p) for e, _, p, _ in ready[i : i + BATCH_MAX]]
+                batches.append(self._fires.prepare(chunk))
+        except Exception:  # noqa: BLE001 - decided at its time, where a failure is logged and retried
+            batches, back = [], [*back, *((e, token) for e, token, _, _ in ready)]
+        await self._clock.sleep_until(at)
+        # Nothing is durable before its time: from here the fires are checked and written.
+        valid = {id(e): (token, seen) for e, token, _, seen in ready}
+        held = self._held()
+        pending = Batch()
+        for b in batches:
+            back += [(e, valid[id(e)][0]) for e, _ in b.failed]  # decided again, alone
+            for f in b.ready:
+                e = f.entry
+                token, seen = valid[id(e)]
+                if e.token != token:
+                    continue  # put back in the heap meanwhile: decided there
+                if held or e.busy or e.paused or e.lock.locked() or _seen(e) != seen:
+                    back.append((e, token))
+                    continue
+                e.busy = True
+                await e.lock.acquire()  # free (checked just above): this never waits
+                pending.ready.append(f)
+                if len(pending.ready) >= BATCH_MAX:  # each batch runs its workflows once written
+                    self._spawn(self._fire_batch, pending)
+                    pending = Batch()
+        if pending.ready:
+            self._spawn(self._fire_batch, pending)
+        now = self._clock.now()
+        for e, token in back:
+            if e.token == token:
+                self._push(e, now)
 
     async def _sync(self) -> None:
         """Load the state of schedules new to this loop; drop the ones no longer wanted."""
@@ -207,7 +287,7 @@ class Schedules:
     def _push(self, e: Entry, at: float) -> None:
         e.token = next(self._seq)
         heapq.heappush(self._heap, (at, e.token, e.schedule.name))
-        if at < self._nap_until:
+        if at - PREPARE_S < self._nap_until:  # the loop may want it earlier, to prepare it
             self._wake()
 
     def _wake(self) -> None:
@@ -263,26 +343,28 @@ class Schedules:
         assert self._tg is not None
         self._tg.start_soon(fn, *args)
 
-    async def _fire_batch(self, batch: builtins.list[tuple[Entry, Plan]]) -> None:
-        """Fire a batch in one write (its locks are held); a failed write fires each alone."""
+    async def _fire_batch(self, batch: Batch) -> None:
+        """Fire a prepared batch in one write (its locks are held); a failed write fires each
+        alone."""
+        entries = batch.entries()
         try:
-            failed = await self._fires.fire_many(batch)
+            failed = await self._fires.commit(batch)
         except Exception as ex:  # noqa: BLE001 - e.g. disk full: each is tried on its own
             log.warning(
-                "schedule_batch_failed", count=len(batch), error=f"{type(ex).__name__}: {ex}"
+                "schedule_batch_failed", count=len(entries), error=f"{type(ex).__name__}: {ex}"
             )
-            for e, _ in batch:
+            for e in entries:
                 e.lock.release()
                 self._hand(e)  # still busy: a worker takes it, and backs off if it fails too
             return
         except BaseException:  # cancelled (shutdown): a waiting pause or trigger still gets in
-            for e, _ in batch:
+            for e in entries:
                 e.lock.release()
                 e.busy = False
             raise
         errors = {id(e): error for e, error in failed}
         now = self._clock.now()
-        for e, _ in batch:
+        for e in entries:
             e.lock.release()
             e.busy = False
             error = errors.get(id(e))
@@ -421,6 +503,11 @@ class Schedules:
         async with e.lock:
             result = await self._fires.fire(e, None, "manual", [])
         return {"name": name, **result}
+
+
+def _seen(e: Entry) -> tuple[Any, ...]:
+    """Return what a prepared fire was decided on: if it changed, the fire is decided again."""
+    return (e.last, e.live_since, e.fired_at, e.last_workflow_id, e.release_due, e.buffered)
 
 
 def _backoff(failures: int) -> float:

@@ -90,23 +90,74 @@ class TestManyAtOnce:
                 await d.start()
             await wait_all_fired(db, time.time() + 1, 2)
             await d.stop()
-        rows = fired(db)
-        per: dict[str, list[float]] = defaultdict(list)
-        for name, nominal, _, _ in rows:
-            per[name].append(nominal)
-        assert len(per) == MANY
-        for name, nominals in per.items():
-            ordered = sorted(nominals)
-            assert len(set(ordered)) == len(ordered), f"{name} fired a nominal time twice"
-            assert ordered == [float(t) for t in range(int(ordered[0]), int(ordered[-1]) + 1)], (
-                f"{name} lost a fire"
-            )
-        ids = {r[0] for r in query(db, "SELECT id FROM workflows")}
-        assert {wid for *_, wid in rows} <= ids
-        started = query(
-            db, "SELECT workflow_id, COUNT(*) FROM history WHERE kind = 'started' GROUP BY 1"
+        assert_each_once(db)
+
+    async def test_kill_while_fires_are_built_ahead(self, tmp_path: Path) -> None:
+        """Killed in the second before a nominal time, while its fires are built but not
+        written, each schedule still starts each nominal time exactly once, with no gap."""
+        env = env_of(*(every_second(f"m{i:03d}", catchup="all") for i in range(MANY)))
+        async with running_daemon(tmp_path, MODULES, env=env) as d:
+            db = d.tmp / "wd.db"
+            for offset in (0.6, 0.3, 0.05):
+                await wait_all_fired(db, time.time(), 1)
+                due = int(time.time()) + 1
+                due += 1 if due - offset < time.time() + 0.05 else 0  # that window has begun
+                await anyio.sleep(due - offset - time.time())
+                await d.kill()
+                early = [r for r in fired(db) if r[2] < r[1]]
+                assert early == [], f"fires written before their time: {early[:3]}"
+                await d.start()
+            await wait_all_fired(db, time.time() + 1, 2)
+            await d.stop()
+        assert_each_once(db)
+
+    async def test_one_log_line_per_fire(self, tmp_path: Path) -> None:
+        """A batch-fired workflow's start is logged once, as `schedule_fired` naming it."""
+        env = env_of(*(every_second(f"m{i:03d}") for i in range(MANY)))
+        async with running_daemon(tmp_path, MODULES, env=env) as d:
+            db = d.tmp / "wd.db"
+            first = await wait_all_fired(db, time.time() + 1, 1)
+
+            async def logged_all() -> bool:
+                return len(of_fire(d.records(), first)) >= MANY
+
+            await eventually(logged_all)
+            lines = of_fire(d.records(), first)
+            assert Counter(r["event"] for r in lines) == {"schedule_fired": MANY}
+            assert {r["workflow"] for r in lines} == {"Chime"}
+
+
+def of_fire(records: list[dict[str, Any]], nominal: float) -> list[dict[str, Any]]:
+    """Return the records about starting the workflows of one nominal time."""
+    at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(nominal))
+    return [
+        r
+        for r in records
+        if str(r.get("workflow_id", "")).endswith(f":{at}")
+        and r.get("event") in ("schedule_fired", "workflow_started")
+    ]
+
+
+def assert_each_once(db: Path) -> None:
+    """Check that each schedule started each nominal time once, with no gap between its
+    first and last, and that every record names a workflow that exists, started once."""
+    rows = fired(db)
+    per: dict[str, list[float]] = defaultdict(list)
+    for name, nominal, _, _ in rows:
+        per[name].append(nominal)
+    assert len(per) == MANY
+    for name, nominals in per.items():
+        ordered = sorted(nominals)
+        assert len(set(ordered)) == len(ordered), f"{name} fired a nominal time twice"
+        assert ordered == [float(t) for t in range(int(ordered[0]), int(ordered[-1]) + 1)], (
+            f"{name} lost a fire"
         )
-        assert {n for _, n in started} == {1}
+    ids = {r[0] for r in query(db, "SELECT id FROM workflows")}
+    assert {wid for *_, wid in rows} <= ids
+    started = query(
+        db, "SELECT workflow_id, COUNT(*) FROM history WHERE kind = 'started' GROUP BY 1"
+    )
+    assert {n for _, n in started} == {1}
 
 
 class TestBatchStartedRuns:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -29,6 +30,7 @@ from daemon import (
     Workflow,
 )
 from daemon.clock import FakeClock
+from daemon.core.state import State
 from daemon.errors import (
     BadRequest,
     Conflict,
@@ -293,6 +295,30 @@ class TestStartMany:
             async with running(tmp_path / "wf.db") as rt:
                 # Recovered: each is resumed again, its step running once more.
                 await eventually(all_napping)
+
+    async def test_prepared_rows_are_what_a_start_writes(self, tmp_path: Path) -> None:
+        """Rows built ahead for one type and input (copies of the first) hold what building
+        each start alone gives, for ids JSON must escape too; they are stamped at the write."""
+        ids = ["plain", 'quo"te', "back\\slash", "ünï", "main", "Counter", "ctl\x01"]
+        async with running(tmp_path / "wf.db") as rt:
+            assert isinstance(rt.store, SQLiteStore)
+            made = rt.prepare_many([("Counter", wid, {"upto": 2}) for wid in ids])
+            await anyio.sleep(0.01)
+            written, rows = time.time(), list[WorkflowRow]()
+
+            async def create(batch: Sequence[tuple[WorkflowRow, History]]) -> list[bool]:
+                rows.extend(row for row, _ in batch)
+                assert isinstance(rt.store, SQLiteStore)
+                return await create_each(rt.store)(batch)
+
+            await rt.launch_many([m for m in made if not isinstance(m, Exception)], create=create)
+            assert [r.id for r in rows] == ids
+            for row in rows:
+                assert row.state == State.new(row.id, "Counter").to_json()
+                assert row.data == Counter.from_input({"upto": 2}).to_json()
+                assert row.created_at >= written and row.updated_at >= written
+            for wid in ids:
+                assert (await wait_runtime_status(rt, wid, "Finished"))["data"]["i"] == 2
 
 
 class TestCallbacks:

@@ -16,7 +16,7 @@ from daemon import Schedule
 from daemon.clock import FakeClock
 from daemon.core.schedule import workflow_id
 from daemon.errors import ScheduleNotFound
-from daemon.runtime.fires import SPACING_S
+from daemon.runtime.fires import SPACING_S, BatchStart
 from daemon.runtime.runtime import Runtime
 from daemon.runtime.schedules import Schedules
 from daemon.store.base import FireRecord, History, WorkflowRow
@@ -81,7 +81,7 @@ async def bench(
             schedules={s.name: s for s in schedules},
             grace_s=grace_s,
             # A start of the test's own makes every fire take the one-at-a-time path.
-            start_many=None if start else rt.start_many,
+            batch=None if start else BatchStart(rt.prepare_many, rt.launch_many),
         )
         rt.on_exit = b.schedules.workflow_exited
         await tg.start(b.schedules.run)
@@ -155,11 +155,11 @@ class TestFiring:
         calls: list[str] = []
 
         async def flaky(workflow: str, wid: str | None = None, input: Any = None, *,
-                        create: Any = None) -> dict[str, Any]:  # fmt: skip
+                        create: Any = None, quiet: bool = False) -> dict[str, Any]:  # fmt: skip
             calls.append(str(wid))
             if len(calls) == 1:
                 raise OSError("disk full")
-            return await real(workflow, wid, input, create=create)
+            return await real(workflow, wid, input, create=create, quiet=quiet)
 
         s = Schedule("flaky", "Chime", every=10)
         async with bench(tmp_path / "db", s, start=flaky) as b:
@@ -480,3 +480,99 @@ class TestBatch:
                 assert await fired_ids(b, s.name, 2) == [
                     workflow_id(s.name, T0 + k) for k in (10, 20)
                 ]
+
+
+class TestPrepared:
+    """On-time fires built ahead of their time: written at it, and decided again if the
+    schedule changed meanwhile."""
+
+    async def prepared(self, b: Bench, at: float) -> list[str]:
+        """Move the clock to `at` (inside the second before a fire); return the prepared ids."""
+        made: list[str] = []
+        real = b.schedules._fires.prepare
+
+        def spy(batch: Any) -> Any:
+            out = real(batch)
+            made.extend(f.workflow_id for f in out.ready)
+            return out
+
+        b.schedules._fires.prepare = spy  # type: ignore[method-assign]
+        await b.to(at)
+
+        async def built() -> bool:
+            return bool(made)
+
+        await eventually(built)
+        return made
+
+    async def test_nothing_is_written_before_its_time(self, tmp_path: Path) -> None:
+        """A fire built ahead is neither a workflow nor a record until its nominal time."""
+        s = Schedule("tick", "Chime", every=10, overlap="allow")
+        async with bench(tmp_path / "db", s) as b:
+            wid = workflow_id("tick", T0 + 10)
+            assert await self.prepared(b, T0 + 9.5) == [wid]
+            await b.rt.wait_idle()
+            assert await b.fires("tick") == [] and await b.store.get(wid) is None
+            await b.to(T0 + 10)
+            assert await fired_ids(b, "tick", 1) == [wid]
+            (fire,) = await b.fires("tick")
+            row = await b.store.get(wid)
+            assert row is not None and row.created_at >= T0 + 10 and fire.at >= T0 + 10
+
+    async def test_a_pause_meanwhile_holds_it(self, tmp_path: Path) -> None:
+        """Paused after its fire was built, the schedule starts nothing at its time."""
+        s = Schedule("p", "Chime", every=10, catchup="skip")
+        async with bench(tmp_path / "db", s) as b:
+            await self.prepared(b, T0 + 9.5)
+            await b.schedules.pause("p")
+            await b.to(T0 + 12)
+            await b.rt.wait_idle()
+            assert await b.fires("p") == []
+            assert await b.store.get(workflow_id("p", T0 + 10)) is None
+
+    async def test_a_trigger_meanwhile_is_seen(self, tmp_path: Path) -> None:
+        """Triggered after its fire was built, the schedule decides its fire again: the
+        triggered run still going, its overlap policy skips the nominal one."""
+        s = Schedule("t", "Lingers", every=10)
+        async with bench(tmp_path / "db", s) as b:
+            await self.prepared(b, T0 + 9.5)
+            manual = await b.schedules.trigger("t")
+            await b.to(T0 + 10.5)
+
+            async def decided() -> bool:
+                return len(await b.fires("t")) == 2
+
+            await eventually(decided)
+            assert await b.kinds("t") == ["manual", "skipped"]
+            assert await b.store.get(workflow_id("t", T0 + 10)) is None
+            assert await b.status(manual["workflow_id"]) == "Waiting"
+
+    async def test_a_reload_meanwhile_fires_the_new_schedule(self, tmp_path: Path) -> None:
+        """Reloaded with a new input after its fire was built, the fire starts with the new."""
+        s = Schedule("r", "Chime", every=10, input={"label": "old"})
+        async with bench(tmp_path / "db", s) as b:
+            await self.prepared(b, T0 + 9.5)
+            b.schedules.configure({"r": Schedule("r", "Chime", every=10, input={"label": "new"})})
+            await b.to(T0 + 10)
+            (wid,) = await fired_ids(b, "r", 1)
+            assert await b.status(wid) == "Finished"
+            assert (await b.rt.show(wid))["data"]["label"] == "new"
+            await b.to(T0 + 11)
+            assert await b.kinds("r") == ["fired"]  # once: the fire built before is dropped
+
+    async def test_a_failure_to_build_ahead_fires_at_its_time(self, tmp_path: Path) -> None:
+        """If building the fires ahead raises, each is decided at its time as any due fire."""
+        s = Schedule("f", "Chime", every=10, overlap="allow")
+        async with bench(tmp_path / "db", s) as b:
+            real, calls = b.schedules._fires.prepare, list[int]()
+
+            def broken(batch: Any) -> Any:
+                calls.append(len(batch))
+                if len(calls) == 1:
+                    raise RuntimeError("built nothing")
+                return real(batch)
+
+            b.schedules._fires.prepare = broken  # type: ignore[method-assign]
+            await b.to(T0 + 10)
+            assert await fired_ids(b, "f", 1) == [workflow_id("f", T0 + 10)]
+            assert calls[0] == 1 and await b.kinds("f") == ["fired"]
