@@ -52,5 +52,5 @@ class StepThenTimer(Workflow):
             Wait("gate", On("go", Signal())),
             Step("count", self.count),
             Wait("sleep", On("ring", Timer(after=self.after_s))),
-            Step("ring", self.ring),
+            Step("note_rang", self.ring),
         )
