@@ -27,6 +27,8 @@ class Signal:
     """
 
     type = "signal"
+    #: Setup arms nothing outside the workflow (daemon.core.engine.QUIET_SETUP).
+    quiet_setup = True
 
     def __init__(self, fn: Callable[..., Any] | None = None) -> None:
         self.fn = fn

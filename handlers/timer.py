@@ -26,6 +26,8 @@ class Timer:
     """
 
     type = "timer"
+    #: Setup only computes the deadline; the runtime arms it once saved (engine.QUIET_SETUP).
+    quiet_setup = True
 
     def __init__(self, after: float | None = None, at: datetime | float | None = None) -> None:
         if (after is None) == (at is None):

@@ -70,6 +70,11 @@ _PENDING_SETUP, _SETUP = EventStatus.PENDING_SETUP, EventStatus.SETUP
 _AFTER_STEP, _AFTER_RESUME = CheckpointType.AFTER_STEP, CheckpointType.AFTER_RESUME
 _STEPS_STARTED = CheckpointType.STEPS_STARTED
 
+#: A handler class attribute: True tells that its `setup` shows nothing outside the workflow
+#: (it starts, binds and arms nothing; a timer is armed by the runtime once it is saved), so
+#: the steps before such a wait need not be durable before its setup runs.
+QUIET_SETUP = "quiet_setup"
+
 #: Transitions one `resume` may make before the workflow is declared a runaway.
 MAX_TRANSITIONS = 10_000
 
@@ -481,6 +486,20 @@ class _Resumer:
                 ev.status, ev.error, ev.req.setup_data = _SETUP, "", data
                 await self.checkpoint(CheckpointType.AFTER_SETUP)
 
+    def quiet_setups(self) -> bool:
+        """Tell whether every wait due for setup has a quiet handler (see QUIET_SETUP)."""
+        for t in self.state.threads:
+            for ev in t.wait_events:
+                if ev.status not in SETUP_DUE:
+                    continue
+                try:
+                    handler = self.handler(ev)
+                except Exception:  # noqa: BLE001 - setup records it; until then, not quiet
+                    return False
+                if getattr(handler, QUIET_SETUP, False) is not True:
+                    return False
+        return True
+
     def handler(self, ev: WaitEvent) -> Handler:
         on = self.cases.get(ev.req.name) or self.defn.get(ev.req.name, On)
         if on is None:
@@ -505,6 +524,9 @@ async def resume(
     changes are merged into `wf` when it ends (see daemon.core.merge). A checkpoint is taken
     before waiting for steps, so it holds the completed ones and those in flight, never a
     half-done step.
+
+    Checkpoints of kind AFTER_RESUME (and AFTER_SETUP, AFTER_TEARDOWN) need not be durable:
+    the caller saves the workflow once resume returns, and that save holds them.
 
     `definition`, if given, is the Definition built from the data as it is now (it saves a
     build). Returns the Definition of the data as the resume leaves it, if it has one built
@@ -557,7 +579,11 @@ async def resume(
             r.stepped(t)
             stepped = True
     if stepped:
-        await checkpoint(_AFTER_STEP)
+        # Waits set up next may tell the outside (a listener, a child's start): what led to
+        # them is made durable first. Only quiet ones due (a signal's, a timer's): the steps
+        # are saved with them, in the caller's save once resume returns (one write, not two).
+        quiet = state.status not in FINAL_STATUSES and r.quiet_setups()
+        await checkpoint(_AFTER_RESUME if quiet else _AFTER_STEP)
     if state.status in FINAL_STATUSES:
         await r.teardown()
         drop_ended_threads(state)

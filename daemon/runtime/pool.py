@@ -165,9 +165,14 @@ class StepPool:
         if self._pending and not self._done:
             if len(self._pending) == 1 and self._flight == 0:
                 thread_id, make_fork = self._pending.pop()
-                return await self._handed(
-                    [await self._attempts_of(thread_id, make_fork, alone=True)]
-                )
+                self._flight = 1
+                try:
+                    lone = [await self._attempts(thread_id, make_fork, True)]
+                finally:
+                    self._flight = 0
+                if self._durable is not None and _unrun(lone):
+                    await self._durable()
+                return lone
             if self._tg is None:
                 self._tg = anyio.create_task_group()
                 await self._tg.__aenter__()
@@ -183,14 +188,7 @@ class StepPool:
         if self._error is not None:
             raise self._error
         done, self._done = self._done, []
-        return await self._handed(done)
-
-    async def _handed(self, done: list[Done]) -> list[Done]:
-        # A step not run (stopping) lets the engine set up waits next, which tell the outside:
-        # what ran before is made durable first.
-        if self._durable is not None and any(
-            d.fork is None and d.failure is None and not d.moved for d in done
-        ):
+        if self._durable is not None and _unrun(done):
             await self._durable()
         return done
 
@@ -321,3 +319,15 @@ class StepPool:
                     del self._backing_off[thread_id]
             if scope.cancelled_caught:
                 return Done(thread_id)  # stopping: it runs again after the restart
+
+
+def _unrun(done: list[Done]) -> bool:
+    """Tell whether a step in `done` was not run, so what ran before must be durable first.
+
+    A step not run (stopping) lets the engine set up waits next, which tell the outside.
+    """
+    # A loop, not any() over a generator: this runs once per step.
+    for d in done:  # noqa: SIM110
+        if d.fork is None and d.failure is None and not d.moved:
+            return True
+    return False

@@ -11,7 +11,7 @@ import time
 import types
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, cast
 
 import anyio
 import structlog
@@ -315,12 +315,13 @@ async def _chain_here(chain: Chain, running: dict[str, StepRun], thread_id: str)
     """Run the chain's async and inline steps on the loop, as run_step runs one."""
     run = running[thread_id]
     chain.until = time.perf_counter() + chain.budget_s
+    action = chain.fork.step.action
+    is_async = _is_async(action)
     while True:
-        action = chain.fork.step.action
         run.running_since = time.time()
         began = time.perf_counter()
-        if _is_async(action):
-            await action()
+        if is_async:
+            await cast(Callable[[], Awaitable[Any]], action)()
         else:
             result = action()
             if inspect.isawaitable(result):
@@ -331,7 +332,14 @@ async def _chain_here(chain: Chain, running: dict[str, StepRun], thread_id: str)
             return
         nxt = chain.start.then(chain.fork)
         chain.stepped += 1
-        if nxt is None or chain_kind(nxt.step) != LOOP or not nxt.begin():
+        # What `chain_kind(nxt.step) != LOOP` tells, with the action looked at once per step.
+        if nxt is None or isinstance(nxt.step, Run) or nxt.step.timeout:
+            chain.moved = True
+            return
+        step = nxt.step
+        action = step.action
+        is_async = _is_async(action)
+        if not (step.inline or is_async) or not nxt.begin():
             chain.moved = True
             return
         chain.room -= 1
