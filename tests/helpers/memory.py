@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
-from daemon.control.dispatch import Backend
+from daemon.control.dispatch import Backend, Pending
 from daemon.control.server import serve
 from daemon.errors import (
     CallbackNotFound,
@@ -99,6 +99,18 @@ class MemoryBackend:
         self._note(wid, "started", input)
         self.emit("workflow_started", workflow_id=wid)
         return {"workflow_id": wid, "status": "Waiting"}
+
+    def send_now(
+        self,
+        workflow_id: str,
+        event: str,
+        input: Any = None,
+        *,
+        thread_id: str | None = None,
+        pc: int | None = None,
+    ) -> Pending | None:
+        """Leave every send to `send` (the fake has no queue to put it on)."""
+        return None
 
     async def send(
         self,
