@@ -10,6 +10,7 @@ from functools import partial
 from typing import Any
 
 import anyio
+import anyio.abc
 import msgspec
 import structlog
 
@@ -105,7 +106,9 @@ class Session:
         #: Answers to come from `send_now`, and the wait of a session ending until they are in.
         self._owed = 0
         self._settled: asyncio.Future[None] | None = None
+        #: A task waits for the peer to take what was written; the slots it holds till then.
         self._flushing = False
+        self._held = 0
         self._ended = False
         self.in_flight = 0
         self.eof = False
@@ -126,39 +129,48 @@ class Session:
 
     async def run(self) -> None:
         """Answer every request until EOF, idleness or an oversized line."""
-        async with anyio.create_task_group() as self.tg, anyio.create_task_group() as follows:
-            while not self.eof and (line := await self._next_line()) is not None:
-                if len(line) > self._limits.max_bytes:
-                    message = f"request line over {self._limits.max_bytes} bytes"
-                    await self.reply(error(None, "too_large", message))
-                    # A client still sending would get EPIPE before reading why: drop the
-                    # rest of its line first (a lingering close, as web servers do for 413).
-                    if b"\n" not in line and not self.wire.lost:
-                        await self.wire.drain_line(DRAIN_BYTES, DRAIN_S)
-                    self.tg.cancel_scope.cancel()
-                    return
-                if line.strip():
-                    req = _decode(line)
-                    while self.in_flight >= self._limits.max_in_flight:
-                        self.room = anyio.Event()
-                        await self.room.wait()
-                    self.in_flight += 1
-                    self._all.started()
-                    if isinstance(req, proto.Send) and self._queued(req):
-                        continue
-                    if isinstance(req, proto.Logs) and req.follow:
-                        follows.start_soon(self._answer, req)
-                    else:
-                        self._hand_over(req)
-            follows.cancel_scope.cancel()  # the client stopped talking: stop streaming logs to it
-            self.closing = True
-            while self.parked:
-                self._hand_over(None)
-            # A client that half-closed after its last send still waits for the answer.
-            while self._owed:
-                self._settled = asyncio.get_running_loop().create_future()
-                await self._settled
-        self._ended = True
+        try:
+            async with anyio.create_task_group() as self.tg:
+                async with anyio.create_task_group() as follows:
+                    await self._read_requests(follows)
+                    # The client stopped talking: stop streaming logs to it.
+                    follows.cancel_scope.cancel()
+                    self.closing = True
+                    while self.parked:
+                        self._hand_over(None)
+                # A client that half-closed after its last send still waits for the answer (out
+                # of `follows`, whose cancelling would end this wait too).
+                while self._owed:
+                    self._settled = asyncio.get_running_loop().create_future()
+                    await self._settled
+        finally:
+            self._ended = True  # answers still to come find no one to write to
+
+    async def _read_requests(self, follows: anyio.abc.TaskGroup) -> None:
+        """Read and start answering each request until EOF, idleness or an oversized line."""
+        while not self.eof and (line := await self._next_line()) is not None:
+            if len(line) > self._limits.max_bytes:
+                message = f"request line over {self._limits.max_bytes} bytes"
+                await self.reply(error(None, "too_large", message))
+                # A client still sending would get EPIPE before reading why: drop the
+                # rest of its line first (a lingering close, as web servers do for 413).
+                if b"\n" not in line and not self.wire.lost:
+                    await self.wire.drain_line(DRAIN_BYTES, DRAIN_S)
+                self.tg.cancel_scope.cancel()
+                return
+            if line.strip():
+                req = _decode(line)
+                while self.in_flight >= self._limits.max_in_flight:
+                    self.room = anyio.Event()
+                    await self.room.wait()
+                self.in_flight += 1
+                self._all.started()
+                if isinstance(req, proto.Send) and self._queued(req):
+                    continue
+                if isinstance(req, proto.Logs) and req.follow:
+                    follows.start_soon(self._answer, req)
+                else:
+                    self._hand_over(req)
 
     def _queued(self, req: proto.Send) -> bool:
         """Queue `req` without a task if it can be; False: it goes to an answering task."""
@@ -168,7 +180,6 @@ class Session:
             pending = self._send_now(req)
         except WorkflowdError as e:
             self._answer_now(error(req.id, e.code, e.message))
-            self._answered()
             return True
         except Exception:  # noqa: BLE001 - the task's path answers (and logs) what this was
             return False
@@ -185,13 +196,12 @@ class Session:
                 response = proto.ok(req_id, pending.result())
             except Exception as e:  # noqa: BLE001 - every outcome is an answer
                 response = _failure(req_id, e, "send")
-            if not self._ended:
-                self._answer_now(response)
-        except Exception:
+            self._answer_now(response)
+        except Exception:  # never into the actor that made the answer
             log.exception("control_request_failed", op="send")
+            self._answered()
         finally:
             self._owed -= 1
-            self._answered()
             if not self._owed and self._settled is not None and not self._settled.done():
                 self._settled.set_result(None)
 
@@ -272,8 +282,17 @@ class Session:
             await self._flush()
 
     def _answer_now(self, response: dict[str, Any]) -> None:
-        """Write one response line without waiting; a task waits if the peer is slow to read."""
-        if self._write(response) and not self._flushing and not self._ended:
+        """Write the answer to one request and count it answered, without waiting.
+
+        An answer the peer has yet to take keeps its request's slot until it does, as an
+        awaited `reply` would (a client that sends but never reads is read no further); one
+        task per connection waits for that.
+        """
+        if self._ended or not self._write(response):
+            self._answered()
+            return
+        self._held += 1
+        if not self._flushing:
             self._flushing = True
             self.tg.start_soon(self._flush_later)
 
@@ -282,6 +301,9 @@ class Session:
             await self._flush()
         finally:
             self._flushing = False
+            held, self._held = self._held, 0
+            for _ in range(held):
+                self._answered()
 
     async def _flush(self) -> None:
         """Wait until the peer has taken what was written; one that never does is dropped."""

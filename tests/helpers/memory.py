@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
-from daemon.control.dispatch import Backend, Pending
+from daemon.control.dispatch import Backend
 from daemon.control.server import serve
 from daemon.errors import (
     CallbackNotFound,
@@ -108,9 +108,8 @@ class MemoryBackend:
         *,
         thread_id: str | None = None,
         pc: int | None = None,
-    ) -> Pending | None:
+    ) -> None:
         """Leave every send to `send` (the fake has no queue to put it on)."""
-        return None
 
     async def send(
         self,
