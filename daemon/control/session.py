@@ -323,7 +323,9 @@ class Session:
             data = encode(error(response.get("id"), "internal", message))
         del response  # a client slow to read holds only the bytes not yet sent, not copies
         wire = self.wire
-        unread = wire.unread()
+        # Bytes wait in the transport only while it is not flushed (no buffer at all is kept
+        # above zero bytes): the usual answer costs no look at the buffer.
+        unread = 0 if wire.is_flushed() else wire.unread()
         written = wire.write(data)
         size = len(data)
         del data
