@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import sqlite3
-import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -685,23 +684,11 @@ def _fail_replies(items: list[Item], why: str) -> None:
             item.reply.fail(Unavailable(why))
 
 
-#: One typed decoder per workflow class, for `_check_fits` (weakly held: a reload makes new
-#: classes). A reused decoder checks the data in a tenth of what `from_json` costs, which also
-#: builds the object's defaults that the check throws away.
-_fits: weakref.WeakKeyDictionary[type[Workflow], msgspec.json.Decoder[Any]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
 def _check_fits(wf: Workflow) -> str:
     """Return the data as JSON; raise HandlerRejected unless it round-trips through its types."""
-    cls = type(wf)
     try:
         data = wf.to_json()
-        decoder = _fits.get(cls)
-        if decoder is None:
-            decoder = _fits[cls] = msgspec.json.Decoder(cls)
-        decoder.decode(data)
+        type(wf).from_json(data)
         return data
     except (msgspec.MsgspecError, TypeError, ValueError, RecursionError) as e:
         # RecursionError: data nested too deeply (or holding itself) to be saved.
