@@ -54,6 +54,7 @@ class Reply:
         """Call `callback` once this reply is answered (at once if it is already).
 
         It runs inside whoever answers (an actor committing a callback): it must not raise.
+        A reply has one such callback (its one sender); a later call replaces it.
         """
         if self._answered:
             callback()
