@@ -78,6 +78,9 @@ class TestControlBench:
                 ("client_cpu_per_callback", "us"),
             )
         } | {f"{m}_per_callback_{c}_clients" for c in (1, 2) for m in ("writes", "commits")}
+        metrics |= {
+            f"{t}_cpu_per_callback_{c}_clients_us" for c in (1, 2) for t in bench_control.THREADS
+        }
         _check("bench_control", figures, metrics)
 
 

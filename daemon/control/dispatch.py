@@ -44,6 +44,15 @@ class Backend(Protocol):
         pc: int | None = None,
         wait: bool = True,
     ) -> Any: ...
+    def send_now(
+        self,
+        workflow_id: str,
+        event: str,
+        input: Any = None,
+        *,
+        thread_id: str | None = None,
+        pc: int | None = None,
+    ) -> Pending | None: ...
     async def list(
         self,
         *,
@@ -79,6 +88,13 @@ class Backend(Protocol):
         until: str = "ended",
     ) -> dict[str, Any]: ...
     def types(self) -> Records: ...
+
+
+class Pending(Protocol):
+    """An answer still to come (the runtime's `Reply`)."""
+
+    def then(self, callback: Callable[[], None]) -> None: ...
+    def result(self) -> Any: ...
 
 
 class RepairTools(Protocol):
@@ -274,6 +290,14 @@ class Dispatcher:
             )
         cursor = None if position is None else _cursor(status, workflow, parent, position)
         return proto.Page(rows, cursor)
+
+    def send_now(self, req: proto.Send) -> Pending | None:
+        """Queue a waited-for `send` without awaiting; None if it must go through `__call__`."""
+        if not req.wait:
+            return None
+        return self._backend.send_now(
+            req.workflow_id, req.event, req.input, thread_id=req.thread_id, pc=req.pc
+        )
 
     async def _send(self, req: proto.Send) -> Any:
         result = await self._backend.send(

@@ -17,7 +17,7 @@ from daemon.control import protocol as proto
 from daemon.control import sockfile
 from daemon.control.dispatch import Backend, DaemonOps, Dispatcher, RepairTools, ScheduleTools
 from daemon.control.protocol import encode, error
-from daemon.control.session import Dispatch, InFlight, Limits, Session
+from daemon.control.session import Dispatch, InFlight, Limits, SendNow, Session
 from daemon.control.wire import Wire
 from daemon.control.wire import hung_up as wire_hung_up
 
@@ -61,9 +61,10 @@ async def serve(
 
     Reports the `Server` as started, whose `configure` changes limits live.
     """
-    server = Server(
-        Dispatcher(backend, repairs=repairs, ops=ops, schedules=schedules, dashboard=dashboard)
+    dispatcher = Dispatcher(
+        backend, repairs=repairs, ops=ops, schedules=schedules, dashboard=dashboard
     )
+    server = Server(dispatcher, send_now=dispatcher.send_now)
     server.configure(
         allowed_uids=allowed_uids,
         allowed_groups=allowed_groups,
@@ -93,6 +94,8 @@ class Server:
     """Per-server state: the allow-list, the limits and the count of open connections."""
 
     dispatch: Dispatch
+    #: Queues a waited-for `send` as it is read, with no task (None: every request dispatched).
+    send_now: SendNow | None = None
     uids: set[int] = field(default_factory=set)
     gids: set[int] = field(default_factory=set)
     max_conns: int = 256
@@ -184,7 +187,12 @@ class Server:
             await self._say(wire, error(None, "forbidden", f"uid {uid} may not use workflowd"))
             return
         session = Session(
-            wire, uid, dispatch=self.dispatch, limits=self.limits, in_flight=self.in_flight
+            wire,
+            uid,
+            dispatch=self.dispatch,
+            limits=self.limits,
+            in_flight=self.in_flight,
+            send_now=self.send_now,
         )
         if not await self._take_slot():
             decided()

@@ -1,4 +1,4 @@
-"""One client connection: reads request lines, answers each in a task, writes the replies."""
+"""One client connection: reads request lines, answers each, writes the replies."""
 
 from __future__ import annotations
 
@@ -6,13 +6,16 @@ import asyncio
 import sqlite3
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import anyio
+import anyio.abc
 import msgspec
 import structlog
 
 from daemon.control import protocol as proto
+from daemon.control.dispatch import Pending
 from daemon.control.protocol import encode, error
 from daemon.control.wire import Wire
 from daemon.errors import WorkflowdError
@@ -33,6 +36,8 @@ Parked = asyncio.Future["proto.AnyRequest | proto.ProtocolError | None"]
 Reply = Callable[[dict[str, Any]], Awaitable[None]]
 #: Runs one request from the peer with uid `who` and returns its result.
 Dispatch = Callable[[proto.AnyRequest, Reply, "int | None"], Awaitable[Any]]
+#: Queues a waited-for `send` at once and returns its answer to come (None: dispatch it).
+SendNow = Callable[[proto.Send], "Pending | None"]
 
 
 @dataclass(slots=True)
@@ -80,7 +85,9 @@ class Session:
 
     A task that has answered waits for the next request instead of ending: handing a request
     to it costs a fraction of starting a task, and a client waiting for each answer before it
-    sends again is served by the same task throughout.
+    sends again is served by the same task throughout. A `send` to a workflow in memory needs
+    no task at all: it is queued as it is read, and its answer is written by whoever makes it
+    durable (`_answer_pending`), so the reader goes on to the next line of a pipelined client.
     """
 
     def __init__(
@@ -91,9 +98,18 @@ class Session:
         dispatch: Dispatch,
         limits: Limits,
         in_flight: InFlight,
+        send_now: SendNow | None = None,
     ) -> None:
         self.wire, self.uid = wire, uid
         self._dispatch, self._limits, self._all = dispatch, limits, in_flight
+        self._send_now = send_now
+        #: Answers to come from `send_now`, and the wait of a session ending until they are in.
+        self._owed = 0
+        self._settled: asyncio.Future[None] | None = None
+        #: A task waits for the peer to take what was written; the slots it holds till then.
+        self._flushing = False
+        self._held = 0
+        self._ended = False
         self.in_flight = 0
         self.eof = False
         self.parked: list[Parked] = []
@@ -113,32 +129,81 @@ class Session:
 
     async def run(self) -> None:
         """Answer every request until EOF, idleness or an oversized line."""
-        async with anyio.create_task_group() as self.tg, anyio.create_task_group() as follows:
-            while not self.eof and (line := await self._next_line()) is not None:
-                if len(line) > self._limits.max_bytes:
-                    message = f"request line over {self._limits.max_bytes} bytes"
-                    await self.reply(error(None, "too_large", message))
-                    # A client still sending would get EPIPE before reading why: drop the
-                    # rest of its line first (a lingering close, as web servers do for 413).
-                    if b"\n" not in line and not self.wire.lost:
-                        await self.wire.drain_line(DRAIN_BYTES, DRAIN_S)
-                    self.tg.cancel_scope.cancel()
-                    return
-                if line.strip():
-                    req = _decode(line)
-                    while self.in_flight >= self._limits.max_in_flight:
-                        self.room = anyio.Event()
-                        await self.room.wait()
-                    self.in_flight += 1
-                    self._all.started()
-                    if isinstance(req, proto.Logs) and req.follow:
-                        follows.start_soon(self._answer, req)
-                    else:
-                        self._hand_over(req)
-            follows.cancel_scope.cancel()  # the client stopped talking: stop streaming logs to it
-            self.closing = True
-            while self.parked:
-                self._hand_over(None)
+        try:
+            async with anyio.create_task_group() as self.tg:
+                async with anyio.create_task_group() as follows:
+                    await self._read_requests(follows)
+                    # The client stopped talking: stop streaming logs to it.
+                    follows.cancel_scope.cancel()
+                    self.closing = True
+                    while self.parked:
+                        self._hand_over(None)
+                # A client that half-closed after its last send still waits for the answer (out
+                # of `follows`, whose cancelling would end this wait too).
+                while self._owed:
+                    self._settled = asyncio.get_running_loop().create_future()
+                    await self._settled
+        finally:
+            self._ended = True  # answers still to come find no one to write to
+
+    async def _read_requests(self, follows: anyio.abc.TaskGroup) -> None:
+        """Read and start answering each request until EOF, idleness or an oversized line."""
+        while not self.eof and (line := await self._next_line()) is not None:
+            if len(line) > self._limits.max_bytes:
+                message = f"request line over {self._limits.max_bytes} bytes"
+                await self.reply(error(None, "too_large", message))
+                # A client still sending would get EPIPE before reading why: drop the
+                # rest of its line first (a lingering close, as web servers do for 413).
+                if b"\n" not in line and not self.wire.lost:
+                    await self.wire.drain_line(DRAIN_BYTES, DRAIN_S)
+                self.tg.cancel_scope.cancel()
+                return
+            if line.strip():
+                req = _decode(line)
+                while self.in_flight >= self._limits.max_in_flight:
+                    self.room = anyio.Event()
+                    await self.room.wait()
+                self.in_flight += 1
+                self._all.started()
+                if isinstance(req, proto.Send) and self._queued(req):
+                    continue
+                if isinstance(req, proto.Logs) and req.follow:
+                    follows.start_soon(self._answer, req)
+                else:
+                    self._hand_over(req)
+
+    def _queued(self, req: proto.Send) -> bool:
+        """Queue `req` without a task if it can be; False: it goes to an answering task."""
+        if self._send_now is None:
+            return False
+        try:
+            pending = self._send_now(req)
+        except WorkflowdError as e:
+            self._answer_now(error(req.id, e.code, e.message))
+            return True
+        except Exception:  # noqa: BLE001 - the task's path answers (and logs) what this was
+            return False
+        if pending is None:
+            return False
+        self._owed += 1
+        pending.then(partial(self._answer_pending, req.id, pending))
+        return True
+
+    def _answer_pending(self, req_id: int | str | None, pending: Pending) -> None:
+        """Write the answer of a request queued by `_queued`; runs inside whoever answered it."""
+        try:
+            try:
+                response = proto.ok(req_id, pending.result())
+            except Exception as e:  # noqa: BLE001 - every outcome is an answer
+                response = _failure(req_id, e, "send")
+            self._answer_now(response)
+        except Exception:  # never into the actor that made the answer
+            log.exception("control_request_failed", op="send")
+            self._answered()
+        finally:
+            self._owed -= 1
+            if not self._owed and self._settled is not None and not self._settled.done():
+                self._settled.set_result(None)
 
     def _hand_over(self, req: proto.AnyRequest | proto.ProtocolError | None) -> None:
         while self.parked:
@@ -196,26 +261,60 @@ class Session:
             else:
                 await self.reply(await self._respond(req))
         finally:
-            self.in_flight -= 1
-            self._all.done()
-            if self.room is not None:
-                self.room.set()
+            self._answered()
+
+    def _answered(self) -> None:
+        """Count one request answered (or given up with its connection)."""
+        self.in_flight -= 1
+        self._all.done()
+        if self.room is not None:
+            self.room.set()
 
     async def _respond(self, req: proto.AnyRequest) -> dict[str, Any]:
         try:
             return proto.ok(req.id, await self._dispatch(req, self.reply, self.uid))
-        except WorkflowdError as e:
-            return error(req.id, e.code, e.message)
-        except (sqlite3.Error, OSError) as e:
-            # Disk full, database locked: nothing was acknowledged, the client may retry.
-            log.error("control_storage_error", error=f"{type(e).__name__}: {e}")
-            return error(req.id, "unavailable", f"storage error: {type(e).__name__}: {e}")
-        except Exception as e:
-            log.exception("control_request_failed", op=type(req).__name__.lower())
-            return error(req.id, "internal", f"{type(e).__name__}: {e}")
+        except Exception as e:  # noqa: BLE001 - every outcome is an answer
+            return _failure(req.id, e, type(req).__name__.lower())
 
     async def reply(self, response: dict[str, Any]) -> None:
         """Write one response line; a peer that stops reading or goes away is dropped."""
+        if self._write(response):
+            await self._flush()
+
+    def _answer_now(self, response: dict[str, Any]) -> None:
+        """Write the answer to one request and count it answered, without waiting.
+
+        An answer the peer has yet to take keeps its request's slot until it does, as an
+        awaited `reply` would (a client that sends but never reads is read no further); one
+        task per connection waits for that.
+        """
+        if self._ended or not self._write(response):
+            self._answered()
+            return
+        self._held += 1
+        if not self._flushing:
+            self._flushing = True
+            self.tg.start_soon(self._flush_later)
+
+    async def _flush_later(self) -> None:
+        try:
+            await self._flush()
+        finally:
+            self._flushing = False
+            held, self._held = self._held, 0
+            for _ in range(held):
+                self._answered()
+
+    async def _flush(self) -> None:
+        """Wait until the peer has taken what was written; one that never does is dropped."""
+        wire = self.wire
+        with anyio.move_on_after(self._limits.idle) as stalled:
+            await wire.flushed()
+        if stalled.cancelled_caught or wire.lost:
+            self.tg.cancel_scope.cancel()
+
+    def _write(self, response: dict[str, Any]) -> bool:
+        """Queue one response line for the peer; True if it is not with the kernel yet."""
         try:
             data = encode(response)
         except Exception:
@@ -224,13 +323,15 @@ class Session:
             data = encode(error(response.get("id"), "internal", message))
         del response  # a client slow to read holds only the bytes not yet sent, not copies
         wire = self.wire
-        unread = wire.unread()
+        # Bytes wait in the transport only while it is not flushed (no buffer at all is kept
+        # above zero bytes): the usual answer costs no look at the buffer.
+        unread = 0 if wire.is_flushed() else wire.unread()
         written = wire.write(data)
         size = len(data)
         del data
         if not written:
             self.tg.cancel_scope.cancel()
-            return
+            return False
         if unread and unread + size > self._limits.max_buffered:
             # A client that sends but never reads would cost the daemon its every answer.
             log.warning(
@@ -241,14 +342,23 @@ class Session:
             )
             wire.abort()
             self.tg.cancel_scope.cancel()
-            return
+            return False
         if wire.lost:
             self.tg.cancel_scope.cancel()
-        elif not wire.is_flushed():
-            with anyio.move_on_after(self._limits.idle) as stalled:
-                await wire.flushed()
-            if stalled.cancelled_caught or wire.lost:
-                self.tg.cancel_scope.cancel()
+            return False
+        return not wire.is_flushed()
+
+
+def _failure(req_id: int | str | None, e: Exception, op: str) -> dict[str, Any]:
+    """Return the answer to a request whose handling raised `e` (logged unless it is a refusal)."""
+    if isinstance(e, WorkflowdError):
+        return error(req_id, e.code, e.message)
+    if isinstance(e, sqlite3.Error | OSError):
+        # Disk full, database locked: nothing was acknowledged, the client may retry.
+        log.error("control_storage_error", error=f"{type(e).__name__}: {e}")
+        return error(req_id, "unavailable", f"storage error: {type(e).__name__}: {e}")
+    log.exception("control_request_failed", op=op)
+    return error(req_id, "internal", f"{type(e).__name__}: {e}")
 
 
 def _decode(line: bytes) -> proto.AnyRequest | proto.ProtocolError:

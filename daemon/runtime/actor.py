@@ -18,6 +18,7 @@ from structlog.contextvars import bind_contextvars
 
 from daemon.clock import Clock
 from daemon.core.engine import handle_callback, resume
+from daemon.core.handler import CallbackRequest
 from daemon.core.state import (
     FINAL_STATUSES,
     CheckpointType,
@@ -565,10 +566,10 @@ class Actor:
         if thread:
             received["thread"] = thread
         self._history.append(("callback_received", received))
-        log.info("callback_received", event_name=event, thread=item.req.thread_id or None)
         loaded.keep(self.arms.rearm(loaded.wf, loaded.state))
         if _rides_along(item, loaded):
             if item.reply is None and item.inbox_id is None:
+                _log_received(event, item.req)
                 # A fired timer has no sender to answer: it is saved with the resume that
                 # follows (its re-arm included), one commit. A crash before that leaves it
                 # armed in the store, so it fires again, once.
@@ -589,7 +590,11 @@ class Actor:
             elif self.metrics is not None:
                 self.metrics.callback("applied")
             await self._pipeline.put(self._take(loaded, data))
+            # Logged once the write is queued: the log thread this wakes then renders while
+            # the writer commits, instead of holding the GIL before the write is handed over.
+            _log_received(event, item.req)
             return
+        _log_received(event, item.req)
         try:
             await self._save(loaded, data)
         except Exception as e:
@@ -654,6 +659,10 @@ async def _answered(
         if item.reply is not None:
             item.reply.fail(_unexpected(e))
         raise
+
+
+def _log_received(event: str, req: CallbackRequest) -> None:
+    log.info("callback_received", event_name=event, thread=req.thread_id or None)
 
 
 def _unexpected(e: Exception) -> WorkflowdError:

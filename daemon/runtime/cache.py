@@ -74,6 +74,13 @@ class Cache:
         """Return the cached workflow, or None."""
         return self._loaded.get(workflow_id)
 
+    def touch(self, workflow_id: str) -> Loaded | None:
+        """Return the cached workflow, marked as just used, or None (`load` without the read)."""
+        loaded = self._loaded.get(workflow_id)
+        if loaded is not None:
+            self._loaded.move_to_end(workflow_id)
+        return loaded
+
     def items(self) -> Iterator[tuple[str, Loaded]]:
         """Yield every cached workflow (a snapshot: the cache may change meanwhile)."""
         yield from list(self._loaded.items())

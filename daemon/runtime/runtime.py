@@ -529,6 +529,10 @@ class Runtime:
         wait: bool = True,
     ) -> Any:
         """Deliver an event; returns the handler's output once it is durable."""
+        if wait:
+            reply = self.send_now(workflow_id, event, input, thread_id=thread_id, pc=pc)
+            if reply is not None:
+                return await reply.wait()
         self._check_open()
         remote = self._remote(workflow_id)
         if remote is not None:
@@ -556,6 +560,39 @@ class Runtime:
             workflow_id, Item("callback", req=req, input=input, inbox_id=inbox_id)
         )
         return {"queued": True}
+
+    def send_now(
+        self,
+        workflow_id: str,
+        event: str,
+        input: Any = None,
+        *,
+        thread_id: str | None = None,
+        pc: int | None = None,
+    ) -> Reply | None:
+        """Queue an event whose sender waits, if that needs no I/O; return the sender's reply.
+
+        None: the workflow is not in memory (or another daemon runs it), and `send` must read
+        it first. Errors are raised as `send` raises them; the reply holds the handler's output
+        once it is durable, or the error that kept it from being applied.
+        """
+        self._check_open()
+        if self._remote(workflow_id) is not None:
+            return None
+        unfit = self.scheduler.hold.incompatible.get(workflow_id)
+        if unfit is not None:
+            raise Conflict(f"workflow {workflow_id} does not fit the running code: {unfit}")
+        loaded = self.cache.touch(workflow_id)
+        if loaded is None:
+            return None
+        if loaded.state.status in FINAL_STATUSES:
+            raise CallbackNotFound(f"workflow {workflow_id} is {loaded.state.status}")
+        if self.scheduler.hold.holds(workflow_id):
+            raise Unavailable(f"workflow {workflow_id} is held: resume it, or send with no wait")
+        reply = Reply()
+        req = CallbackRequest(workflow_id, thread_id or "", event, pc or 0)
+        self.scheduler.submit(workflow_id, Item("callback", req=req, input=input, reply=reply))
+        return reply
 
     async def _row_open(self, workflow_id: str) -> None:
         """Raise unless the stored workflow exists and has not ended (a request for it may wait)."""

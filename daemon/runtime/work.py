@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,32 +11,55 @@ from daemon.core.handler import CallbackRequest
 
 
 class Reply:
-    """The answer to one queued request, awaited by whoever queued it."""
+    """The answer to one queued request, awaited by whoever queued it (or handed to `then`)."""
+
+    __slots__ = ("_answered", "_done", "_error", "_kept", "_then", "_value")
 
     def __init__(self) -> None:
-        # asyncio's event, not anyio's: one is made per request, and anyio looks its backend up
-        # on every Event it makes (the daemon runs on asyncio only).
-        self._done = asyncio.Event()
+        self._answered = False
+        # Made only when someone awaits: a sender answered through `then` needs no event (and
+        # asyncio's, not anyio's, which looks its backend up on every Event it makes).
+        self._done: asyncio.Event | None = None
         self._value: Any = None
         self._error: BaseException | None = None
         self._kept: tuple[Any] | None = None
+        self._then: Callable[[], None] | None = None
 
     @property
     def answered(self) -> bool:
         """Tell whether the answer is in; the first answer given is the one that counts."""
-        return self._done.is_set()
+        return self._answered
 
     def set(self, value: Any) -> None:
         """Answer with a value, unless already answered."""
-        if not self.answered:
+        if not self._answered:
             self._value = value
-            self._done.set()
+            self._finish()
 
     def fail(self, error: BaseException) -> None:
         """Answer with an error, unless already answered."""
-        if not self.answered:
+        if not self._answered:
             self._error = error
+            self._finish()
+
+    def _finish(self) -> None:
+        self._answered = True
+        if self._done is not None:
             self._done.set()
+        then, self._then = self._then, None
+        if then is not None:
+            then()
+
+    def then(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once this reply is answered (at once if it is already).
+
+        It runs inside whoever answers (an actor committing a callback): it must not raise.
+        A reply has one such callback (its one sender); a later call replaces it.
+        """
+        if self._answered:
+            callback()
+        else:
+            self._then = callback
 
     def keep(self, value: Any) -> None:
         """Hold an answer back until `release` (once what it acknowledges is durable)."""
@@ -49,12 +73,19 @@ class Reply:
         self.set(value)
         return True
 
-    async def wait(self) -> Any:
-        """Return the answer, or raise its error."""
-        await self._done.wait()
+    def result(self) -> Any:
+        """Return the answer given, or raise its error (only once answered)."""
         if self._error is not None:
             raise self._error
         return self._value
+
+    async def wait(self) -> Any:
+        """Return the answer, or raise its error."""
+        if not self._answered:
+            if self._done is None:
+                self._done = asyncio.Event()
+            await self._done.wait()
+        return self.result()
 
 
 @dataclass(slots=True)

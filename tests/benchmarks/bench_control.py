@@ -9,7 +9,9 @@ receive) cost ~180 µs of CPU per round trip, as much as a third of the daemon's
 per round trip is printed too (`client_cpu_per_callback_*`), and so are the writes and commits
 per callback, from the daemon's `/metrics` (`writes_per_callback_*`: 1 when a callback and the
 resume it starts are one checkpoint; `commits_per_callback_*`: below 1 when group commit
-batches several clients' callbacks).
+batches several clients' callbacks). The daemon's CPU per callback is split by thread
+(`loop_`, `writer_`, `log_cpu_per_callback_*`, from /proc's schedstat of each thread): only
+the daemon's threads count there, never this process's clients.
 """
 
 from __future__ import annotations
@@ -27,12 +29,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.helpers.harness import Daemon
 from tests.helpers.http import fetch
 
+from .bench_timers import loop_cpu_s, thread_cpu_s
 from .bench_workflows import Pinged
 from .common import bench_daemon, call_many, cpu_s, percentile, query, until_count
 
 #: clients -> sends per client
 ROUNDS: dict[int, int] = {1: 3_000, 16: 1_000}
 WARMUP = 200
+#: The daemon's threads whose CPU per callback is printed (the event loop, then the names
+#: `thread_cpu_s` gives).
+THREADS = {"loop": "loop", "writer": "thread_writer", "log": "thread_log"}
 #: Issue 16's targets: one client's round trip, and 16 clients' durable callbacks/s.
 TARGET_P50_MS_ONE_CLIENT, TARGET_P99_MS_ONE_CLIENT = 0.3, 1.0
 TARGET_CALLBACKS_PER_S_16 = 15_000.0
@@ -112,8 +118,11 @@ async def run(tmp: Path, rounds: dict[int, int] | None = None, warmup: int = WAR
             await _round(d, tag, clients, max(1, warmup // clients))
             written = await _written(metrics)
             cpu, mine = cpu_s(d.proc.pid), time.process_time()
+            threads = {**thread_cpu_s(d.proc.pid), "loop": loop_cpu_s(d.proc.pid)}
             latencies, elapsed = await _round(d, tag, clients, sends)
             cpu_us = (cpu_s(d.proc.pid) - cpu) / len(latencies) * 1e6
+            after = {**thread_cpu_s(d.proc.pid), "loop": loop_cpu_s(d.proc.pid)}
+            threads = {k: v - threads.get(k, 0.0) for k, v in after.items()}
             writes, commits = (b - a for a, b in zip(written, await _written(metrics), strict=True))
             client_us = (time.process_time() - mine) / len(latencies) * 1e6
             context = {"mode": "workflowd", "clients": clients, "sends_each": sends}
@@ -135,8 +144,11 @@ async def run(tmp: Path, rounds: dict[int, int] | None = None, warmup: int = WAR
                  "value": round(writes / len(latencies), 2), "target": None},
                 {"metric": f"commits_per_callback_{clients}_clients",
                  "value": round(commits / len(latencies), 2), "target": None},
+                *({"metric": f"{name}_cpu_per_callback_{clients}_clients_us",
+                   "value": round(threads.get(key, 0.0) / len(latencies) * 1e6), "target": None}
+                  for name, key in THREADS.items()),
             ]  # fmt: skip
-            for fig in figures[-7:]:
+            for fig in figures[-7 - len(THREADS) :]:
                 unit = fig["metric"].rsplit("_", 1)[1]
                 unit = "1/s" if "per_s" in fig["metric"] else "" if unit == "clients" else unit
                 fig.update(bench="control", unit=unit)

@@ -100,6 +100,17 @@ class MemoryBackend:
         self.emit("workflow_started", workflow_id=wid)
         return {"workflow_id": wid, "status": "Waiting"}
 
+    def send_now(
+        self,
+        workflow_id: str,
+        event: str,
+        input: Any = None,
+        *,
+        thread_id: str | None = None,
+        pc: int | None = None,
+    ) -> None:
+        """Leave every send to `send` (the fake has no queue to put it on)."""
+
     async def send(
         self,
         workflow_id: str,

@@ -73,3 +73,17 @@ class Toggle(Workflow):
         handler = self.flip if self.mode == "a" else self.ask
         wait = Wait("wait", On("poke", Signal(handler)))
         return S(For("loop", True, S(wait, Step("settle", self.settle))))
+
+
+@dataclass
+class Echo(Workflow):
+    """Answers each "echo" signal with its input, and counts them; the input is not kept."""
+
+    echoed: int = 0
+
+    def echo(self, text: str = "") -> str:
+        self.echoed += 1
+        return text
+
+    def definition(self) -> Section:
+        return S(For("loop", True, Wait("wait", On("echo", Signal(self.echo)))))

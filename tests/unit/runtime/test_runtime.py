@@ -340,6 +340,21 @@ class TestCallbacks:
                 await rt.start("Approval", f"r{n}")
                 assert await rt.send(f"r{n}", "decision", {"decision": "ok"}) == "recorded ok"
 
+    async def test_send_now_answers_through_its_reply(self, tmp_path: Path) -> None:
+        """`send_now` queues the send of a workflow in memory; else it leaves it to `send`."""
+        async with running(tmp_path / "wf.db") as rt:
+            await rt.start("Approval", "a1")
+            await wait_runtime_status(rt, "a1", "Waiting")
+            assert rt.send_now("zzz", "decision") is None  # not in memory: `send` reads it
+            with pytest.raises(WorkflowNotFound):
+                await rt.send("zzz", "decision")  # ... which says what is wrong
+            reply = rt.send_now("a1", "decision", {"decision": "yes"})
+            assert reply is not None
+            assert await reply.wait() == "recorded yes"
+            await wait_runtime_status(rt, "a1", "Finished")
+            with pytest.raises(CallbackNotFound):
+                rt.send_now("a1", "decision", {"decision": "again"})
+
     async def test_rejections_change_nothing(self, tmp_path: Path) -> None:
         """Unknown workflow, unknown event and a raising handler are errors; data is unchanged."""
         async with running(tmp_path / "wf.db") as rt:
