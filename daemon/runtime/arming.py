@@ -98,6 +98,11 @@ class Arms:
     def __len__(self) -> int:
         return len(self._timers) + len(self._listeners)
 
+    def next_due(self) -> float:
+        """Return when (epoch seconds) the earliest timer may fire; inf with none armed."""
+        # The heap may still hold a disarmed entry on top: never later than the real one.
+        return self._heap[0][0] if self._heap else math.inf
+
     def kinds(self) -> dict[str, int]:
         """Count the armed waits by kind: `timer` or `listener` (an active handler's task)."""
         return {"timer": len(self._timers), "listener": len(self._listeners)}

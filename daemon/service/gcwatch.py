@@ -1,11 +1,16 @@
-"""Garbage-collector pauses: timed per generation, long ones logged, a summary at the stop."""
+"""Garbage-collector pauses: timed per generation, long ones logged, a summary at the stop.
+
+Also the daemon's full collections, which `QuietCollector` runs at quiet moments.
+"""
 
 from __future__ import annotations
 
 import gc
+import math
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 #: A collection that holds the loop this long is kept for the log (`gc_pause`).
 SLOW_MS = 10.0
@@ -25,6 +30,11 @@ class GcWatch:
         #: includes waiting for a core, this is the collector's own work.
         self.cpu_total_ms = [0.0, 0.0, 0.0]
         self.cpu_longest_ms = [0.0, 0.0, 0.0]
+        #: Objects each generation's collections found unreachable (and freed).
+        self.collected = [0, 0, 0]
+        #: The thresholds `summary` reports, if not CPython's own (`QuietCollector` runs the
+        #: full collections: CPython's third figure is then out of reach).
+        self.threshold: tuple[int, ...] | None = None
         self._began = 0.0
         self._began_cpu = 0.0
         #: (Unix time, generation, ms, collected) of each slow pause not yet taken.
@@ -50,6 +60,7 @@ class GcWatch:
         self.cpu_total_ms[gen] += cpu_ms
         self.cpu_longest_ms[gen] = max(self.cpu_longest_ms[gen], cpu_ms)
         self.collections[gen] += 1
+        self.collected[gen] += int(info.get("collected", 0))
         self.total_ms[gen] += took_ms
         self.longest_ms[gen] = max(self.longest_ms[gen], took_ms)
         if took_ms >= self.slow_ms:
@@ -73,5 +84,88 @@ class GcWatch:
             "cpu_total_ms": [round(t, 2) for t in self.cpu_total_ms],
             "cpu_longest_ms": [round(t, 2) for t in self.cpu_longest_ms],
             "frozen": gc.get_freeze_count(),
-            "threshold": list(gc.get_threshold()),
+            "threshold": list(self.threshold or gc.get_threshold()),
+            "collected": list(self.collected),
         }
+
+
+#: CPython's third threshold while `QuietCollector` runs the full collections: never reached.
+NEVER = 1_000_000_000
+#: How often (seconds) the collector looks whether a full collection is due and the loop quiet.
+LOOK_S = 0.25
+#: The loop is quiet when it used less than this share of its thread's time since the last look.
+QUIET_SHARE = 0.05
+#: A due full collection waits for a quiet moment until it is this many times overdue.
+FORCE_FACTOR = 4
+#: Nothing may be due (a timer, a deadline) sooner than this, or twice the last full pause.
+LEAD_S = 0.05
+
+
+class QuietCollector:
+    """Runs the full collections when the loop is quiet and no timer is due soon.
+
+    CPython starts a full collection once `due_after` middle ones have run (its third
+    threshold), wherever that count lands: often in the middle of a burst, where it holds the
+    loop for as long as it takes to scan the whole heap. Here CPython's own figure is set out of
+    reach and `look` (called every LOOK_S on the loop) runs the full collection instead, once
+    it is due and the loop used under QUIET_SHARE of its time since the last look. Memory stays
+    bounded under a load that never lets up: a collection FORCE_FACTOR times overdue runs
+    anyway. (A time-based spacing was tried: under garbage that keeps coming it let each
+    collection grow, and the pause with it.)
+    """
+
+    def __init__(
+        self,
+        *,
+        due_after: int,
+        until_due: Callable[[], float] = lambda: math.inf,
+        collect: Callable[[], int] = gc.collect,
+        middle_count: Callable[[], int] = lambda: gc.get_count()[2],
+        cpu: Callable[[], float] = time.thread_time,
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.due_after, self._collect = max(due_after, 1), collect
+        #: Returns the seconds until the next timer or deadline is due (set by the daemon).
+        self.until_due = until_due
+        self._middle_count, self._cpu, self._now = middle_count, cpu, now
+        self._looked, self._looked_cpu = now(), cpu()
+        #: How long the last full collection took (seconds).
+        self._last_s = 0.0
+        #: Full collections run: at a quiet moment, and forced (overdue under load).
+        self.quiet_runs = self.forced_runs = 0
+
+    def look(self) -> FullCollection | None:
+        """Run a full collection if one is due and the loop is quiet (or it is overdue)."""
+        now, cpu = self._now(), self._cpu()
+        busy = (cpu - self._looked_cpu) / max(now - self._looked, 1e-6)
+        self._looked, self._looked_cpu = now, cpu
+        middle = self._middle_count()
+        if middle < self.due_after:
+            return None
+        forced = middle >= self.due_after * FORCE_FACTOR
+        quiet = busy < QUIET_SHARE and self.until_due() > max(LEAD_S, 2 * self._last_s)
+        if not (forced or quiet):
+            return None
+        began = self._now()
+        collected = self._collect()
+        ended = self._now()
+        self._last_s = ended - began
+        # The collection's own CPU is not the next look's business.
+        self._looked, self._looked_cpu = ended, self._cpu()
+        forced = not quiet
+        if forced:
+            self.forced_runs += 1
+        else:
+            self.quiet_runs += 1
+        return FullCollection(self._last_s * 1000, collected, forced, busy)
+
+
+class FullCollection(NamedTuple):
+    """One full collection `QuietCollector` ran (logged as `gc_full`)."""
+
+    ms: float
+    collected: int
+    #: Run although the loop was busy: it was FORCE_FACTOR times overdue.
+    forced: bool
+    #: The loop's share of its thread's time since the look before.
+    busy: float

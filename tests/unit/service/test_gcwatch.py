@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import gc
 
-from daemon.service.gcwatch import GcWatch
+from daemon.service.gcwatch import (
+    FORCE_FACTOR,
+    LEAD_S,
+    LOOK_S,
+    NEVER,
+    GcWatch,
+    QuietCollector,
+)
 
 
 class TestGcWatch:
@@ -34,3 +41,114 @@ class TestGcWatch:
         watch.uninstall()
         gc.collect()
         assert watch.collections == [0, 0, 0]
+
+
+class _Loop:
+    """A fake loop thread for QuietCollector: its clock, its CPU time and the middle count."""
+
+    def __init__(self) -> None:
+        self.now, self.cpu, self.middle, self.due_in = 0.0, 0.0, 0, 60.0
+        self.collections: list[float] = []
+        #: How long a full collection takes (seconds of the fake clock).
+        self.pause_s = 0.01
+        #: Whether a collection resets the middle count (False: garbage keeps coming).
+        self.resets = True
+
+    def collect(self) -> int:
+        self.collections.append(self.now)
+        self.now += self.pause_s
+        self.cpu += self.pause_s
+        if self.resets:
+            self.middle = 0
+        return 7
+
+    def run(self, seconds: float, busy: float, collector: QuietCollector) -> None:
+        """Advance `seconds` in looks LOOK_S apart, the loop busy for `busy` of the time."""
+        for _ in range(round(seconds / LOOK_S)):
+            self.now += LOOK_S
+            self.cpu += LOOK_S * busy
+            collector.look()
+
+
+def _collector(loop: _Loop, due_after: int = 50) -> QuietCollector:
+    return QuietCollector(
+        due_after=due_after,
+        until_due=lambda: loop.due_in,
+        collect=loop.collect,
+        middle_count=lambda: loop.middle,
+        cpu=lambda: loop.cpu,
+        now=lambda: loop.now,
+    )
+
+
+class TestQuietCollector:
+    def test_a_due_collection_waits_for_a_quiet_loop(self) -> None:
+        """Due while the loop is busy: nothing; the first quiet look collects, once."""
+        loop = _Loop()
+        collector = _collector(loop)
+        loop.middle = 60  # due (50) but not overdue (200)
+        loop.run(5.0, busy=0.9, collector=collector)
+        assert loop.collections == []
+        loop.run(1.0, busy=0.01, collector=collector)
+        assert len(loop.collections) == 1
+        assert (collector.quiet_runs, collector.forced_runs) == (1, 0)
+        loop.run(5.0, busy=0.0, collector=collector)  # nothing due any more
+        assert len(loop.collections) == 1
+
+    def test_not_due_is_never_collected(self) -> None:
+        """Quiet but fewer middle collections than due_after: no full collection."""
+        loop = _Loop()
+        collector = _collector(loop)
+        loop.middle = 49
+        loop.run(5.0, busy=0.0, collector=collector)
+        assert loop.collections == []
+
+    def test_a_timer_due_soon_keeps_it_waiting(self) -> None:
+        """A quiet loop with a timer due within the lead waits until the timer is further."""
+        loop = _Loop()
+        collector = _collector(loop)
+        loop.middle, loop.due_in = 60, LEAD_S / 2
+        loop.run(2.0, busy=0.0, collector=collector)
+        assert loop.collections == []
+        loop.due_in = 1.0
+        loop.run(0.5, busy=0.0, collector=collector)
+        assert len(loop.collections) == 1
+
+    def test_overdue_runs_even_when_busy(self) -> None:
+        """FORCE_FACTOR times due: a busy loop gets its full collection anyway (bounded memory)."""
+        loop = _Loop()
+        collector = _collector(loop)
+        loop.middle = 50 * FORCE_FACTOR
+        loop.now += LOOK_S
+        loop.cpu += LOOK_S  # busy all the time since the last look
+        ran = collector.look()
+        assert ran is not None and ran.forced and ran.collected == 7
+        assert collector.forced_runs == 1
+
+    def test_real_garbage_promoted_to_the_old_generation_is_freed(self) -> None:
+        """With CPython's full collections out of reach, the collector frees old cyclic garbage."""
+        before = gc.get_threshold()
+        gc.collect()
+        gc.set_threshold(700, 1, NEVER)
+        collector = QuietCollector(due_after=2)
+        try:
+            alive: list[list[object]] = []
+            for i in range(20_000):
+                cycle: list[object] = [[] for _ in range(5)]
+                cycle.append(cycle)
+                alive.append(cycle)
+                if len(alive) > 500:  # each lives long enough to reach the old generation
+                    alive.pop(0)
+                if i % 1000 == 0:
+                    collector.look()
+            gc.collect(1)
+            old = len(gc.get_objects(generation=2))
+            ran = None
+            while ran is None:
+                collector._looked = collector._now() - 1  # quiet since a second ago
+                ran = collector.look() if gc.get_count()[2] >= 2 else None
+                gc.collect(1)
+            assert ran.collected > 10_000  # the cycles that had reached the old generation
+            assert len(gc.get_objects(generation=2)) < old - 10_000
+        finally:
+            gc.set_threshold(*before)
