@@ -300,6 +300,9 @@ async def run_daemon(
                 finished = await rt.drain(reloader.cfg.daemon.shutdown_grace_s)
                 await server.wind_down(ANSWER_GRACE_S)
                 if gc_watch is not None:
+                    # What is left is counted too (`collected`): the interpreter's exit would
+                    # run this collection anyway.
+                    gc.collect()
                     _log_gc_pauses(gc_watch)
                     log.info("gc_stats", **gc_watch.summary())
                 log.info("daemon_stopped", steps_finished=finished)
