@@ -470,7 +470,7 @@ async def _collect_when_quiet(collector: QuietCollector) -> None:
 
     async def look() -> None:
         ran = collector.look()
-        if ran is not None:
+        if ran is not None and ran.generation == 2:
             log.info(
                 "gc_full",
                 ms=round(ran.ms, 2),
@@ -537,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     young, middle, full = figures
     # CPython's full collections are left to the daemon, which runs them at quiet moments.
     gc.set_threshold(young, middle, NEVER)
-    quiet_gc = QuietCollector(due_after=full)
+    # Threshold 0 turns the collector off: then so is this one.
+    quiet_gc = QuietCollector(due_after=full, young_after=young // 10) if young else None
     gc_watch = GcWatch()
     gc_watch.threshold = figures
     gc_watch.install()

@@ -112,57 +112,79 @@ class QuietCollector:
     bounded under a load that never lets up: a collection FORCE_FACTOR times overdue runs
     anyway. (A time-based spacing was tried: under garbage that keeps coming it let each
     collection grow, and the pause with it.)
+
+    A quiet moment also empties the young generations (a middle collection) once they hold
+    anything worth it, so that a burst after a wave of starts does not begin with a middle
+    collection of everything the starts made.
     """
 
     def __init__(
         self,
         *,
         due_after: int,
+        young_after: int = 1000,
         until_due: Callable[[], float] = lambda: math.inf,
-        collect: Callable[[], int] = gc.collect,
-        middle_count: Callable[[], int] = lambda: gc.get_count()[2],
+        collect: Callable[[int], int] = gc.collect,
+        counts: Callable[[], tuple[int, int, int]] = gc.get_count,
         cpu: Callable[[], float] = time.thread_time,
         now: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.due_after, self._collect = max(due_after, 1), collect
+        #: `young_after`: the youngest generation's count worth a quiet middle collection.
+        self.due_after, self.young_after, self._collect = max(due_after, 1), young_after, collect
         #: Returns the seconds until the next timer or deadline is due (set by the daemon).
         self.until_due = until_due
-        self._middle_count, self._cpu, self._now = middle_count, cpu, now
+        self._counts, self._cpu, self._now = counts, cpu, now
         self._looked, self._looked_cpu = now(), cpu()
-        #: How long the last full collection took (seconds).
-        self._last_s = 0.0
+        #: How long the last middle and full collection took (seconds).
+        self._last_s = {1: 0.0, 2: 0.0}
         #: Full collections run: at a quiet moment, and forced (overdue under load).
         self.quiet_runs = self.forced_runs = 0
+        #: Middle collections run at a quiet moment.
+        self.young_runs = 0
 
-    def look(self) -> FullCollection | None:
-        """Run a full collection if one is due and the loop is quiet (or it is overdue)."""
+    def look(self) -> Collection | None:
+        """Run a full collection if one is due and the loop is quiet (or it is overdue).
+
+        Quiet and no full one due, it empties the young generations if they hold enough.
+        """
         now, cpu = self._now(), self._cpu()
         busy = (cpu - self._looked_cpu) / max(now - self._looked, 1e-6)
         self._looked, self._looked_cpu = now, cpu
-        middle = self._middle_count()
-        if middle < self.due_after:
-            return None
-        forced = middle >= self.due_after * FORCE_FACTOR
-        quiet = busy < QUIET_SHARE and self.until_due() > max(LEAD_S, 2 * self._last_s)
-        if not (forced or quiet):
-            return None
+        young, middle, full = self._counts()
+        quiet = busy < QUIET_SHARE
+        if full >= self.due_after:
+            forced = full >= self.due_after * FORCE_FACTOR
+            if not (forced or (quiet and self._clear(2))):
+                return None
+            ran = self._run(2, busy, forced=not (quiet and self._clear(2)))
+            if ran.forced:
+                self.forced_runs += 1
+            else:
+                self.quiet_runs += 1
+            return ran
+        if quiet and (middle > 0 or young >= self.young_after) and self._clear(1):
+            self.young_runs += 1
+            return self._run(1, busy, forced=False)
+        return None
+
+    def _clear(self, generation: int) -> bool:
+        """Tell whether nothing is due before twice this generation's last pause (or LEAD_S)."""
+        return self.until_due() > max(LEAD_S, 2 * self._last_s[generation])
+
+    def _run(self, generation: int, busy: float, *, forced: bool) -> Collection:
         began = self._now()
-        collected = self._collect()
+        collected = self._collect(generation)
         ended = self._now()
-        self._last_s = ended - began
+        self._last_s[generation] = ended - began
         # The collection's own CPU is not the next look's business.
         self._looked, self._looked_cpu = ended, self._cpu()
-        forced = not quiet
-        if forced:
-            self.forced_runs += 1
-        else:
-            self.quiet_runs += 1
-        return FullCollection(self._last_s * 1000, collected, forced, busy)
+        return Collection(generation, (ended - began) * 1000, collected, forced, busy)
 
 
-class FullCollection(NamedTuple):
-    """One full collection `QuietCollector` ran (logged as `gc_full`)."""
+class Collection(NamedTuple):
+    """One collection `QuietCollector` ran (a full one is logged as `gc_full`)."""
 
+    generation: int
     ms: float
     collected: int
     #: Run although the loop was busy: it was FORCE_FACTOR times overdue.
