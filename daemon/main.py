@@ -281,6 +281,7 @@ async def run_daemon(
             if quiet_gc is not None:
                 due = (rt.arms.next_due, rt.deadlines.next_due)
                 quiet_gc.until_due = partial(_until_due, rt.clock.now, *due)
+                quiet_gc.in_flight = rt.busy
                 tg.start_soon(_collect_when_quiet, quiet_gc)
             log.info("daemon_started", pid=os.getpid(), socket=str(d.socket), db=store_name(cfg))
             notifier.ready()

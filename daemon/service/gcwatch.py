@@ -108,7 +108,8 @@ class QuietCollector:
     threshold), wherever that count lands: often in the middle of a burst, where it holds the
     loop for as long as it takes to scan the whole heap. Here CPython's own figure is set out of
     reach and `look` (called every LOOK_S on the loop) runs the full collection instead, once
-    it is due and the loop used under QUIET_SHARE of its time since the last look. Memory stays
+    it is due, the loop used under QUIET_SHARE of its time since the last look and no workflow
+    is busy. Memory stays
     bounded under a load that never lets up: a collection FORCE_FACTOR times overdue runs
     anyway. (A time-based spacing was tried: under garbage that keeps coming it let each
     collection grow, and the pause with it.)
@@ -133,6 +134,8 @@ class QuietCollector:
         self.due_after, self.young_after, self._collect = max(due_after, 1), young_after, collect
         #: Returns the seconds until the next timer or deadline is due (set by the daemon).
         self.until_due = until_due
+        #: Returns how many workflows are busy now (set by the daemon): quiet means none.
+        self.in_flight: Callable[[], int] = lambda: 0
         self._counts, self._cpu, self._now = counts, cpu, now
         self._looked, self._looked_cpu = now(), cpu()
         #: How long the last middle and full collection took (seconds).
@@ -151,7 +154,8 @@ class QuietCollector:
         busy = (cpu - self._looked_cpu) / max(now - self._looked, 1e-6)
         self._looked, self._looked_cpu = now, cpu
         young, middle, full = self._counts()
-        quiet = busy < QUIET_SHARE
+        # The share looks back; the work in flight tells of a burst that just began.
+        quiet = busy < QUIET_SHARE and not self.in_flight()
         if full >= self.due_after:
             forced = full >= self.due_after * FORCE_FACTOR
             if not (forced or (quiet and self._clear(2))):

@@ -117,6 +117,18 @@ class TestQuietCollector:
         loop.run(0.5, busy=0.0, collector=collector)
         assert len(loop.full()) == 1
 
+    def test_a_busy_workflow_is_no_quiet_moment(self) -> None:
+        """An idle share since the last look, but a workflow busy now: nothing runs."""
+        loop = _Loop()
+        collector = _collector(loop)
+        loop.counts[2], busy = 60, [1]
+        collector.in_flight = lambda: busy[0]
+        loop.run(2.0, busy=0.0, collector=collector)
+        assert loop.collections == []
+        busy[0] = 0
+        loop.run(0.25, busy=0.0, collector=collector)
+        assert len(loop.full()) == 1
+
     def test_overdue_runs_even_when_busy(self) -> None:
         """FORCE_FACTOR times due: a busy loop gets its full collection anyway (bounded memory)."""
         loop = _Loop()
