@@ -303,7 +303,7 @@ async def run_daemon(
                 if gc_watch is not None:
                     # What is left is counted too (`collected`): the interpreter's exit would
                     # run this collection anyway.
-                    gc.collect()
+                    gc_watch.collect_rest()
                     _log_gc_pauses(gc_watch)
                     log.info("gc_stats", **gc_watch.summary())
                 log.info("daemon_stopped", steps_finished=finished)

@@ -68,6 +68,22 @@ class GcWatch:
             # writer's own included, which must not re-enter the log.
             self.slow.append((time.time(), gen, took_ms, int(info.get("collected", 0))))
 
+    def collect_rest(self) -> int:
+        """Run a full collection untimed (the stop's), counting what it frees in `collected`.
+
+        Untimed, so that the pause figures stay those of the daemon's life; installed again
+        afterwards if it was.
+        """
+        installed = self._callback in gc.callbacks
+        self.uninstall()
+        try:
+            found = gc.collect()
+        finally:
+            if installed:
+                self.install()
+        self.collected[2] += found
+        return found
+
     def take_slow(self) -> list[tuple[float, int, float, int]]:
         """Return the slow pauses kept since the last call, and forget them."""
         taken = []

@@ -167,7 +167,7 @@ def _gc_figures(
         during = [r for r in full if since <= r["at"] <= until]
         extra = [
             (f"gc_garbage_per_fired_timer{label}", round(sum(stats["collected"]) / timers, 2), {
-                "how": "objects the cyclic GC freed over the daemon's life (its stop's full"
+                "how": "objects the cyclic GC freed over the daemon's life (its stop's untimed full"
                        " collection included), per timer: reference cycles left behind",
                 "collected": stats["collected"],
             }),

@@ -71,7 +71,6 @@ class TestNoCycles:
             await settled(c)
             assert await d.stop() == 0
         stats = _stats(d)
-        assert stats["collections"][2] > 0, stats  # the stop's full collection
         # A connection's transport is a cycle of its own (asyncio's): a few objects, not n.
         assert sum(stats["collected"]) < n, stats
 

@@ -33,6 +33,22 @@ class TestGcWatch:
         assert summary["collections"] == watch.collections
         assert len(summary["cpu_longest_ms"]) == 3
 
+    def test_the_rest_is_collected_untimed_and_counted(self) -> None:
+        """collect_rest frees old cycles, counts them in `collected`, and times nothing."""
+        watch = GcWatch()
+        watch.install()
+        try:
+            for _ in range(100):
+                cycle: list[object] = []
+                cycle.append(cycle)
+            del cycle
+            found = watch.collect_rest()
+            assert found >= 100 and watch.collected[2] >= 100
+            assert watch.collections[2] == 0 and watch.summary()["collected"][2] >= 100
+            assert watch._callback in gc.callbacks  # still installed
+        finally:
+            watch.uninstall()
+
     def test_uninstalled_counts_nothing(self) -> None:
         """Once uninstalled, collections are not timed any more."""
         watch = GcWatch()
