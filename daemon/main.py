@@ -45,7 +45,7 @@ from daemon.runtime.schedules import Schedules
 from daemon.runtime.steps import ABANDONED
 from daemon.runtime.supervise import supervise
 from daemon.service.config import Config, load_config
-from daemon.service.gcwatch import GcWatch
+from daemon.service.gcwatch import LOOK_S, NEVER, GcWatch, QuietCollector
 from daemon.service.journal import JOURNAL_SOCKET
 from daemon.service.journal import attached as journal_attached
 from daemon.service.log import LogHub, close_logging, configure_logging
@@ -65,7 +65,8 @@ GC_THRESHOLD = 10_000
 #: gc.set_threshold's three figures. A middle collection every 3rd young one (not 11th)
 #: scans a third of the survivors at a time, and a full one waits for 50 of those: in the
 #: 10,000-timer burst the longest pause went from 150-650 ms of CPU (middle and full
-#: collections) to 50-80 ms, for the same total (README, "Garbage collection").
+#: collections) to 50-80 ms, for the same total (README, "Garbage collection"). The full
+#: one runs at a quiet moment (`QuietCollector`), not where CPython's count lands.
 GC_THRESHOLDS = (GC_THRESHOLD, 2, 50)
 
 
@@ -148,6 +149,7 @@ async def run_daemon(
     hold: bool = False,
     schedules: Mapping[str, Schedule] | None = None,
     gc_watch: GcWatch | None = None,
+    quiet_gc: QuietCollector | None = None,
     task_status: anyio.abc.TaskStatus[Runtime] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the daemon until SIGTERM/SIGINT; reports readiness once recovered and listening.
@@ -277,6 +279,11 @@ async def run_daemon(
             tg.start_soon(_collect_garbage, rt, reloader, leads)
             if gc_watch is not None:
                 tg.start_soon(_report_gc_pauses, gc_watch)
+            if quiet_gc is not None:
+                due = (rt.arms.next_due, rt.deadlines.next_due)
+                quiet_gc.until_due = partial(_until_due, rt.clock.now, *due)
+                quiet_gc.in_flight = rt.busy
+                tg.start_soon(_collect_when_quiet, quiet_gc)
             log.info("daemon_started", pid=os.getpid(), socket=str(d.socket), db=store_name(cfg))
             notifier.ready()
             task_status.started(rt)
@@ -295,6 +302,9 @@ async def run_daemon(
                 finished = await rt.drain(reloader.cfg.daemon.shutdown_grace_s)
                 await server.wind_down(ANSWER_GRACE_S)
                 if gc_watch is not None:
+                    # What is left is counted too (`collected`): the interpreter's exit would
+                    # run this collection anyway.
+                    gc_watch.collect_rest()
                     _log_gc_pauses(gc_watch)
                     log.info("gc_stats", **gc_watch.summary())
                 log.info("daemon_stopped", steps_finished=finished)
@@ -452,6 +462,29 @@ async def _report_gc_pauses(watch: GcWatch) -> None:
     await supervise("gc_pauses", report, partial(anyio.sleep, STATUS_EVERY_S))
 
 
+def _until_due(now: Callable[[], float], *next_due: Callable[[], float]) -> float:
+    """Return the seconds until the earliest of the timers and deadlines is due."""
+    return min(due() for due in next_due) - now()
+
+
+async def _collect_when_quiet(collector: QuietCollector) -> None:
+    """Run the full collections at quiet moments (`QuietCollector.look` every LOOK_S)."""
+
+    async def look() -> None:
+        ran = collector.look()
+        if ran is not None and ran.generation == 2:
+            log.info(
+                "gc_full",
+                ms=round(ran.ms, 2),
+                collected=ran.collected,
+                forced=ran.forced,
+                busy=round(ran.busy, 3),
+                at=time.time(),
+            )
+
+    await supervise("gc_quiet", look, partial(anyio.sleep, LOOK_S))
+
+
 def _lingering_threads(grace_s: float = 2.0) -> list[threading.Thread]:
     """Return the threads that would keep the interpreter from exiting.
 
@@ -501,8 +534,15 @@ def main(argv: list[str] | None = None) -> int:
         return refused
     # A burst of due timers or callbacks makes many short-lived objects; with the default
     # threshold (700) full collections of a large heap dominated such bursts (measured).
-    gc.set_threshold(*gc_thresholds(os.environ.get("WORKFLOWD_GC_THRESHOLD", "")))
+    figures = gc_thresholds(os.environ.get("WORKFLOWD_GC_THRESHOLD", ""))
+    figures += gc.get_threshold()[len(figures) :]  # CPython's own for those not given
+    young, middle, full = figures
+    # CPython's full collections are left to the daemon, which runs them at quiet moments.
+    gc.set_threshold(young, middle, NEVER)
+    # Threshold 0 turns the collector off: then so is this one.
+    quiet_gc = QuietCollector(due_after=full, young_after=young // 10) if young else None
     gc_watch = GcWatch()
+    gc_watch.threshold = figures
     gc_watch.install()
     parser = argparse.ArgumentParser(prog="workflowd", description=__doc__)
     parser.add_argument("--version", action="version", version=f"workflowd {version()}")
@@ -533,7 +573,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"workflowd: {e}", file=sys.stderr)
         return 2
     try:
-        daemon = partial(run_daemon, hold=args.hold, schedules=schedules, gc_watch=gc_watch)
+        daemon = partial(
+            run_daemon, hold=args.hold, schedules=schedules, gc_watch=gc_watch, quiet_gc=quiet_gc
+        )
         anyio.run(daemon, cfg, registry, hub)
     except StoreLocked as e:
         print(f"workflowd: {e}", file=sys.stderr)

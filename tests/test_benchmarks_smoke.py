@@ -97,6 +97,8 @@ class TestTimersBench:
             "gc_longest_pause_cpu_ms",
             "gc_slow_pauses_during_fires",
             "gc_longest_pause_during_fires_ms",
+            "gc_garbage_per_fired_timer",
+            "gc_full_during_fires",
         }
         # One CPU figure per thread name: which threads exist (a worker or not) may vary.
         threads = [f for f in figures if f["metric"].startswith("thread_")]
@@ -105,6 +107,16 @@ class TestTimersBench:
         }
         rest = [f for f in figures if f not in threads]
         _check("bench_timers", rest, {*metrics, *fired, *gc})
+
+    async def test_burst_loop(self, tmp_path: Path) -> None:
+        """Rounds of bursts on one daemon: its RSS after the first, the last, and the growth."""
+        figures = await bench_timers.burst_loop(tmp_path, rounds=2, n=5, window_s=0.2)
+        _check(
+            "bench_timers",
+            figures,
+            {"burst_loop_rss_first_mb", "burst_loop_rss_last_mb",
+             "burst_loop_rss_growth_second_half_mb"},
+        )  # fmt: skip
 
     async def test_own_fire(self) -> None:
         """The timer's own firing work is measured on `Arms` alone."""

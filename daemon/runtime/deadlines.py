@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Awaitable, Callable
 
 import anyio
@@ -36,6 +37,10 @@ class Deadlines:
         heapq.heappush(self._heap, (deadline, workflow_id))
         if self._heap[0][1] == workflow_id:
             self._wake.set()
+
+    def next_due(self) -> float:
+        """Return when (epoch seconds) the earliest deadline may pass; inf with none."""
+        return self._heap[0][0] if self._heap else math.inf
 
     async def run(self) -> None:
         """Cancel workflows as their deadlines pass; runs until cancelled."""

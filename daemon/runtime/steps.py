@@ -85,6 +85,11 @@ ABANDONED = Abandoned()
 WORKERS = Workers()
 
 
+def _spent() -> object:
+    """Stand in for an action that ran (or never will)."""
+    return None
+
+
 class _Call:
     """A sync action run in a worker thread; tells whether it began, finished or was given up on."""
 
@@ -103,6 +108,7 @@ class _Call:
     def __call__(self) -> object:
         with self._lock:
             if self._abandoned:  # given up on before a thread took it
+                self._action = _spent
                 return None
             self.began = time.monotonic()
         self._run.queued_since, self._run.running_since = None, time.time()
@@ -111,6 +117,9 @@ class _Call:
         finally:
             with self._lock:
                 self._finished = True
+                # A chain's action closes over its call: kept, each chain would be a reference
+                # cycle holding its whole resume (actor, pool, definition) for the cyclic GC.
+                self._action = _spent
                 if self._abandoned:
                     self._counter.ended()
 

@@ -112,7 +112,7 @@ async def lateness(
         fires_to = time.time()
         rows = query(db, "SELECT data FROM workflows")
     late = [json.loads(data)["late_s"] * 1000 for (data,) in rows]
-    gc_figures = _gc_figures(d.records(), fires_from, fires_to, label)
+    gc_figures = _gc_figures(d.records(), fires_from, fires_to, label, n)
     context = {
         "timers": n,
         "window_s": window_s,
@@ -155,12 +155,27 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
 
 
 def _gc_figures(
-    records: list[dict[str, Any]], since: float, until: float, label: str
+    records: list[dict[str, Any]], since: float, until: float, label: str, timers: int = 1
 ) -> list[tuple[str, float, dict[str, Any]]]:
     """Return the GC figures the daemon logged: its life's totals, and slow pauses during fires."""
     stats = next((r for r in records if r.get("event") == "gc_stats"), None)
     if stats is None:
         return []
+    extra: list[tuple[str, float, dict[str, Any]]] = []
+    if "collected" in stats:  # a daemon that counts its garbage (and runs full ones when quiet)
+        full = [r for r in records if r.get("event") == "gc_full"]
+        during = [r for r in full if since <= r["at"] <= until]
+        extra = [
+            (f"gc_garbage_per_fired_timer{label}", round(sum(stats["collected"]) / timers, 2), {
+                "how": "objects the cyclic GC freed over the daemon's life (its stop's untimed full"
+                       " collection included), per timer: reference cycles left behind",
+                "collected": stats["collected"],
+            }),
+            (f"gc_full_during_fires{label}", len(during), {
+                "forced": sum(r["forced"] for r in during), "over_life": len(full),
+                "how": "full collections (gc_full) while the timers fired",
+            }),
+        ]  # fmt: skip
     pauses = [r for r in records if r.get("event") == "gc_pause" and since <= r["at"] <= until]
     slow = [r["ms"] for r in pauses]
     by_generation = [sum(r["generation"] == g for r in pauses) for g in range(3)]
@@ -181,7 +196,50 @@ def _gc_figures(
          {"slower_than_ms": 10.0, "by_generation": by_generation}),
         (f"gc_longest_pause_during_fires{label}_ms", round(max(slow, default=0.0), 2),
          {"how": "0: none slower than 10 ms"}),
+        *extra,
     ]  # fmt: skip
+
+
+BURST_ROUNDS = 10
+BURST_TIMERS = 2_000
+
+
+async def burst_loop(
+    tmp: Path, rounds: int = BURST_ROUNDS, n: int = BURST_TIMERS, window_s: float = 1.0
+) -> list[dict[str, Any]]:
+    """Run `rounds` bursts of `n` timers on one daemon; return its RSS after each (bounded?).
+
+    Each round starts `n` Alarm workflows due within `window_s` and waits until they finished,
+    so the daemon's memory is read after the same work, round after round: a leak (cyclic
+    garbage that no collection frees, objects kept past their workflow) grows it every round.
+    """
+    rss: list[float] = []
+    async with bench_daemon(tmp) as d:
+        assert d.proc is not None
+        db = d.tmp / "wd.db"
+        for r in range(rounds):
+            at = time.time() + max(1.0, n / STARTS_PER_S_GUESS)
+            starts = [{**s, "workflow_id": f"r{r:03d}{s['workflow_id']}"}
+                      for s in _starts(n, at, window_s)]  # fmt: skip
+            await call_many(d.socket, starts, CONNECTIONS)
+            await until_count(db, _COUNT, ("Finished",), n * (r + 1), limit_s=300, every_s=0.05)
+            rss.append(rss_mb(d.proc.pid))
+    full = [r for r in d.records() if r.get("event") == "gc_full"]
+    ctx = {"rounds": rounds, "timers": n, "window_s": window_s, "rss_mb": [round(m, 1) for m in rss],
+           "gc_full": len(full), "gc_full_forced": sum(r["forced"] for r in full)}  # fmt: skip
+    half = rss[len(rss) // 2]
+    return [
+        _figure("burst_loop_rss_first_mb", round(rss[0], 1), None, **ctx),
+        _figure("burst_loop_rss_last_mb", round(rss[-1], 1), None, **ctx),
+        _figure(
+            "burst_loop_rss_growth_second_half_mb",
+            round(max(rss[-1] - half, 0.0), 1),
+            None,
+            how="RSS after the last round minus after the middle one (0 if it shrank; each"
+            " round's in rss_mb): ~0 when bounded",
+            **ctx,
+        ),
+    ]
 
 
 REARM_WORKFLOWS = 1_000
@@ -377,6 +435,7 @@ async def run(
     moderate = await lateness(tmp / "moderate", max(1, timers // 10), label="_moderate")
     burst = await lateness(tmp / "lateness", timers)
     figures = [*moderate, *burst, *await rearm(tmp / "rearm"), *await own_fire()]
+    figures += await burst_loop(tmp / "burst_loop")
     figures += await memory(tmp / "memory", workflows)
     if seeded:
         figures += await sleepers(tmp / "sleepers", seeded)

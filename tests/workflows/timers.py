@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,3 +67,39 @@ class Dozer(Workflow):
 
     def definition(self) -> Section:
         return S(Wait("nap", On("alarm", self.alarm())), Step("woke", self.wake))
+
+
+#: What Litterbug's timers leave behind: each fire's cycle stays here for LITTER_KEPT fires,
+#: long enough to reach the collector's old generation before it becomes garbage.
+LITTER: deque[list[Any]] = deque()
+LITTER_KEPT = 200
+
+
+@dataclass
+class Litterbug(Workflow):
+    """Ticks like Metronome, and each fire leaves a reference cycle (~3 KB) that only a full
+    collection can free once it is dropped: it stays referenced for LITTER_KEPT fires first.
+    """
+
+    beats: int = 5
+    every_s: float = 0.001
+    ticked: int = 0
+
+    def timer(self) -> Timer:
+        timer = Timer(after=self.every_s)
+
+        async def handle(req: CallbackRequest, input: Any) -> Any:
+            self.ticked += 1
+            cycle: list[Any] = [[i] for i in range(30)]
+            cycle.append(bytes(2048))
+            cycle.append(cycle)
+            LITTER.append(cycle)
+            if len(LITTER) > LITTER_KEPT:
+                LITTER.popleft()
+            return input
+
+        timer.handle = handle  # type: ignore[method-assign] # a per-instance wrapper
+        return timer
+
+    def definition(self) -> Section:
+        return S(For("beat", self.ticked < self.beats, Wait("w", On("tick", self.timer()))))

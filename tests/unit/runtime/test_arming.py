@@ -13,11 +13,13 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import pytest
 import structlog
 
@@ -25,7 +27,7 @@ from daemon import CallbackRequest, On, S, Section, Wait, Workflow
 from daemon.clock import FakeClock
 from daemon.core.state import EventStatus, State, Thread, ThreadStatus, WaitEvent, WorkflowStatus
 from daemon.errors import CallbackNotFound, StaleCallback
-from daemon.runtime.arming import Arms, key_of
+from daemon.runtime.arming import FIRE_BATCH, Arms, key_of
 from daemon.runtime.runtime import Runtime
 from daemon.store.sqlite import SQLiteStore
 from handlers import Signal, Timer
@@ -238,6 +240,36 @@ class TestBatches:
             assert [req.workflow_id for req, _ in fired] == [f"w{i:04d}" for i in range(1000)]
             assert all(got["fired_at"] == now + 20 for _, got in fired)
             assert len(arms) == 1 and arms.armed("w0000") == set()
+            tg.cancel_scope.cancel()
+
+    async def test_a_large_wake_lets_the_loop_run_between_batches(self) -> None:
+        """5,000 timers due at once are handed over FIRE_BATCH at a time, the loop turning
+        between batches (other tasks run), still all in deadline order after one wake."""
+        clock, fired = _Counted(), list[tuple[CallbackRequest, Any]]()
+        seen: list[int] = []
+        async with anyio.create_task_group() as tg:
+            arms = Arms(tg, clock, _no_submit, lambda req, error: None, fire=_append(fired))
+            now, n = clock.now(), 5000
+            arms.arm_timers(((f"w{i:04d}", "_main_", "t", 1), now + 10 + i / n) for i in range(n))
+            tg.start_soon(arms.run_timers)
+            await until(lambda: clock.sleeps == 1)
+
+            async def watch() -> None:
+                while len(fired) < n:
+                    seen.append(len(fired))
+                    await anyio.lowlevel.checkpoint()
+
+            tg.start_soon(watch)
+            await anyio.lowlevel.checkpoint()
+            clock.advance(20)
+            await until(lambda: len(fired) == n)
+            assert [req.workflow_id for req, _ in fired] == [f"w{i:04d}" for i in range(n)]
+            assert {got["fired_at"] for _, got in fired} == {now + 20}
+            # The watcher ran in between: it saw some handed over, not yet all.
+            between = [k for k in seen if 0 < k < n]
+            assert between and max(b - a for a, b in pairwise(between)) <= (FIRE_BATCH), between[
+                :10
+            ]
             tg.cancel_scope.cancel()
 
     async def test_rearm_arms_a_new_timer_from_its_setup_data(self) -> None:
