@@ -24,11 +24,14 @@ class Metronome(Workflow):
     every_s: float = 0.02
     ticked: int = 0
 
+    def tick(self) -> None:
+        self.ticked += 1
+
     def timer(self) -> Timer:
         timer = Timer(after=self.every_s)
 
         async def handle(req: CallbackRequest, input: Any) -> Any:
-            self.ticked += 1
+            self.tick()
             return input
 
         timer.handle = handle  # type: ignore[method-assign] # a per-instance wrapper
@@ -76,30 +79,18 @@ LITTER_KEPT = 200
 
 
 @dataclass
-class Litterbug(Workflow):
+class Litterbug(Metronome):
     """Ticks like Metronome, and each fire leaves a reference cycle (~3 KB) that only a full
     collection can free once it is dropped: it stays referenced for LITTER_KEPT fires first.
     """
 
-    beats: int = 5
     every_s: float = 0.001
-    ticked: int = 0
 
-    def timer(self) -> Timer:
-        timer = Timer(after=self.every_s)
-
-        async def handle(req: CallbackRequest, input: Any) -> Any:
-            self.ticked += 1
-            cycle: list[Any] = [[i] for i in range(30)]
-            cycle.append(bytes(2048))
-            cycle.append(cycle)
-            LITTER.append(cycle)
-            if len(LITTER) > LITTER_KEPT:
-                LITTER.popleft()
-            return input
-
-        timer.handle = handle  # type: ignore[method-assign] # a per-instance wrapper
-        return timer
-
-    def definition(self) -> Section:
-        return S(For("beat", self.ticked < self.beats, Wait("w", On("tick", self.timer()))))
+    def tick(self) -> None:
+        super().tick()
+        cycle: list[Any] = [[i] for i in range(30)]
+        cycle.append(bytes(2048))
+        cycle.append(cycle)
+        LITTER.append(cycle)
+        if len(LITTER) > LITTER_KEPT:
+            LITTER.popleft()
