@@ -116,6 +116,9 @@ class Session:
         self.closing = False
         self.room: anyio.Event | None = None
         self._line_since = wire.loop.time()
+        self._deadline = self._line_since + limits.idle
+        #: What `_read_now` read and left for the reader: a line, or a request it counted.
+        self._taken: bytes | proto.AnyRequest | proto.ProtocolError | None = None
 
     def stalled_for(self) -> float:
         """Return how long this client has been sending one line, owed nothing (else 0).
@@ -148,29 +151,72 @@ class Session:
 
     async def _read_requests(self, follows: anyio.abc.TaskGroup) -> None:
         """Read and start answering each request until EOF, idleness or an oversized line."""
-        while not self.eof and (line := await self._next_line()) is not None:
-            if len(line) > self._limits.max_bytes:
-                message = f"request line over {self._limits.max_bytes} bytes"
-                await self.reply(error(None, "too_large", message))
-                # A client still sending would get EPIPE before reading why: drop the
-                # rest of its line first (a lingering close, as web servers do for 413).
-                if b"\n" not in line and not self.wire.lost:
-                    await self.wire.drain_line(DRAIN_BYTES, DRAIN_S)
-                self.tg.cancel_scope.cancel()
-                return
-            if line.strip():
-                req = _decode(line)
+        while True:
+            taken, self._taken = self._taken, None
+            if isinstance(taken, bytes | None):  # else `_read_now` read and counted it
+                line = taken
+                if line is None and (self.eof or (line := await self._next_line()) is None):
+                    return
+                if len(line) > self._limits.max_bytes:
+                    message = f"request line over {self._limits.max_bytes} bytes"
+                    await self.reply(error(None, "too_large", message))
+                    # A client still sending would get EPIPE before reading why: drop the
+                    # rest of its line first (a lingering close, as web servers do for 413).
+                    if b"\n" not in line and not self.wire.lost:
+                        await self.wire.drain_line(DRAIN_BYTES, DRAIN_S)
+                    self.tg.cancel_scope.cancel()
+                    return
+                if not line.strip():
+                    continue
+                taken = _decode(line)
                 while self.in_flight >= self._limits.max_in_flight:
                     self.room = anyio.Event()
                     await self.room.wait()
                 self.in_flight += 1
                 self._all.started()
-                if isinstance(req, proto.Send) and self._queued(req):
+                if isinstance(taken, proto.Send) and self._queued(taken):
                     continue
-                if isinstance(req, proto.Logs) and req.follow:
-                    follows.start_soon(self._answer, req)
-                else:
-                    self._hand_over(req)
+            if isinstance(taken, proto.Logs) and taken.follow:
+                follows.start_soon(self._answer, taken)
+            else:
+                self._hand_over(taken)
+
+    def _read_now(self) -> bool:
+        """Queue the sends that arrived while the reader waits, right in the data callback.
+
+        The common request (a waited-for `send` to a workflow in memory) then costs no task
+        wake-up and no loop turn before it is queued. Lines are taken in order while they
+        are such sends and slots are free. True: the reader may sleep on (at most a line
+        begun is left); False: it wakes for the rest, the line or request `_taken` first.
+        """
+        wire, limits = self.wire, self._limits
+        took = False
+        try:
+            while not wire.lost:
+                if self.in_flight >= limits.max_in_flight:
+                    return False  # the reader waits for room, as for any request
+                line = wire.line(limits.max_bytes)
+                if line is None:
+                    if took:  # a new line begins: the idle timeout bounds it from now on
+                        self._line_since = now = wire.loop.time()
+                        self._deadline = now + limits.idle
+                        wire.wait_until(self._deadline)
+                    return True
+                took = True
+                if len(line) > limits.max_bytes:
+                    self._taken = line  # the reader answers that it is too long
+                    return False
+                if not line.strip():
+                    continue
+                req = _decode(line)
+                self.in_flight += 1
+                self._all.started()
+                if not (isinstance(req, proto.Send) and self._queued(req)):
+                    self._taken = req
+                    return False
+        except Exception:  # never into the transport; the reader goes on
+            log.exception("control_request_failed", op="send")
+        return False
 
     def _queued(self, req: proto.Send) -> bool:
         """Queue `req` without a task if it can be; False: it goes to an answering task."""
@@ -229,11 +275,12 @@ class Session:
 
         The idle timeout bounds the whole line, not the gap between its bytes: a client that
         trickles a byte at a time is closed as one that sends nothing. While answers are owed
-        and no line is begun, the connection is not idle.
+        and no line is begun, the connection is not idle. Sends that arrive during the wait
+        may be queued by `_read_now` without waking this reader (it moves the deadline).
         """
         wire = self.wire
         self._line_since = wire.loop.time()
-        deadline = self._line_since + self._limits.idle
+        self._deadline = self._line_since + self._limits.idle
         while True:
             line = wire.line(self._limits.max_bytes)
             if line is not None:
@@ -244,15 +291,23 @@ class Session:
             if wire.lost:
                 self.tg.cancel_scope.cancel()  # the peer is gone: nobody to answer
                 return None
-            left = deadline - wire.loop.time()
-            if left > 0 and await wire.readable(left):
-                continue
+            left = self._deadline - wire.loop.time()
+            if left > 0:
+                wire.on_data = self._read_now
+                try:
+                    readable = await wire.readable(left)
+                finally:
+                    wire.on_data = None
+                if self._taken is not None:
+                    return b""  # `_read_requests` takes `_taken` before reading on
+                if readable:
+                    continue
             if wire.data or not self.in_flight:
                 if wire.data:
                     log.info("control_request_timeout", buffered=len(wire.data))
                 return None
             self._line_since = wire.loop.time()
-            deadline = self._line_since + self._limits.idle
+            self._deadline = self._line_since + self._limits.idle
 
     async def _answer(self, req: proto.AnyRequest | proto.ProtocolError) -> None:
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import select
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 def _settle(future: asyncio.Future[bool], value: bool) -> None:
@@ -45,6 +45,9 @@ class Wire(asyncio.BufferedProtocol):
         #: When the current wait for bytes gives up, and the one timer that enforces it.
         self._read_deadline = 0.0
         self._idle_timer: asyncio.TimerHandle | None = None
+        #: Called with what arrived while a reader waits; True: it took what it could and the
+        #: reader sleeps on (no task wakes for a request handled right in the callback).
+        self.on_data: Callable[[], bool] | None = None
 
     @classmethod
     async def adopt(cls, sock: socket.socket) -> Wire:
@@ -73,8 +76,15 @@ class Wire(asyncio.BufferedProtocol):
         if len(self.data) > self._limit and not self._paused:
             self._paused = True
             self.transport.pause_reading()
-        if self._readable is not None:
-            _settle(self._readable, True)
+        waiter = self._readable
+        if waiter is not None:
+            on_data = self.on_data
+            if on_data is None or not on_data():
+                _settle(waiter, True)
+
+    def wait_until(self, deadline: float) -> None:
+        """Move the current wait's deadline (to `deadline`, on the loop's clock)."""
+        self._read_deadline = deadline
 
     def eof_received(self) -> bool:
         """Note the half-close and keep the connection open for the answers."""
