@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import anyio
 
 from tests.helpers.client import Client
 from tests.helpers.harness import running_daemon
-from tests.helpers.wait import settled, wait_status
+from tests.helpers.wait import logged, settled, wait_status
 
 MODULES = ["tests.workflows.callbacks"]
 
@@ -122,3 +123,66 @@ async def test_a_client_not_reading_send_answers_is_read_no_further(short_tmp: P
                 got = await _answers(hog, set(range(asks)))
             assert all(a["ok"] and a["result"] == text for a in got.values())
         assert (await c.call("show", workflow_id="e"))["data"]["echoed"] == asks
+
+
+async def test_pipelined_sends_past_the_slots_are_applied_in_order(short_tmp: Path) -> None:
+    """More sends in one write than a connection's slots: each applied in the order sent."""
+    asks = 60
+    async with (
+        running_daemon(short_tmp, MODULES, daemon={"max_in_flight": 3}) as d,
+        d.client() as c,
+    ):
+        await c.call("start", workflow="BumpCounter", workflow_id="o")
+        await wait_status(c, "o", "Waiting")
+        for round_ in range(3):
+            base = round_ * (asks + 1)
+            lines = [_line(id=base + n, op="send", workflow_id="o", event="bump", input=1)
+                     for n in range(asks)]  # fmt: skip
+            lines.insert(asks // 2, _line(id="ping", op="ping"))
+            await c.stream.send(b"".join(lines))
+            got = await _answers(c, {*(base + n for n in range(asks)), "ping"})
+            assert got.pop("ping")["ok"]
+            # The n-th send of the write is the n-th bump applied: none overtook another.
+            assert {rid: a["result"] for rid, a in got.items()} == {
+                base + n: round_ * asks + n + 1 for n in range(asks)
+            }, got
+
+
+async def test_sends_one_by_one_keep_a_connection_past_the_idle_timeout(short_tmp: Path) -> None:
+    """The idle timeout counts from the last request: a client sending steadily is not cut."""
+    async with (
+        running_daemon(short_tmp, MODULES, daemon={"idle_timeout_s": 1.0}) as d,
+        d.client() as c,
+    ):
+        await c.call("start", workflow="BumpCounter", workflow_id="s")
+        await wait_status(c, "s", "Waiting")
+        began = time.monotonic()
+        sent = 0
+        while time.monotonic() - began < 3.0:
+            sent += 1
+            answer = await c.request("send", workflow_id="s", event="bump", input=1)
+            assert answer["ok"] and answer["result"] == sent, answer
+            # A gap well under the timeout, three times over it in all: what is tested.
+            await anyio.sleep(0.2)
+        assert (await c.call("show", workflow_id="s"))["data"]["count"] == sent
+
+
+async def test_a_line_trickled_after_sends_is_closed_at_the_idle_timeout(short_tmp: Path) -> None:
+    """Bytes of a line begun after answered sends do not hold the connection open."""
+    async with running_daemon(short_tmp, MODULES, daemon={"idle_timeout_s": 1.0}) as d:
+        async with d.client() as c:
+            await c.call("start", workflow="BumpCounter", workflow_id="t")
+            await wait_status(c, "t", "Waiting")
+            for n in range(1, 4):
+                assert await c.call("send", workflow_id="t", event="bump", input=1) == n
+            closed = False
+            for byte in b'{"op": "ping", "id": 1' + b" " * 100:  # 12 s at 0.1 s a byte
+                try:
+                    await c.stream.send(bytes([byte]))
+                except (anyio.BrokenResourceError, ConnectionError):
+                    closed = True
+                    break
+                # The gap between bytes is the behaviour under test: well under the timeout.
+                await anyio.sleep(0.1)
+        assert closed, "a line trickled for 12 s was never cut off"
+        await logged(d, "control_request_timeout")
