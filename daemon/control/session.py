@@ -193,9 +193,12 @@ class Session:
         took = False
         try:
             while not wire.lost:
-                if self.in_flight >= limits.max_in_flight:
+                if took and not wire.data:
+                    line = None  # all taken
+                elif self.in_flight >= limits.max_in_flight:
                     return False  # the reader waits for room, as for any request
-                line = wire.line(limits.max_bytes)
+                else:
+                    line = wire.line(limits.max_bytes)
                 if line is None:
                     if took:  # a new line begins: the idle timeout bounds it from now on
                         self._line_since = now = wire.loop.time()
@@ -239,7 +242,8 @@ class Session:
         """Write the answer of a request queued by `_queued`; runs inside whoever answered it."""
         try:
             try:
-                response = proto.ok(req_id, pending.result())
+                # proto.ok's dict, built here: a send's result is never a Page.
+                response = {"id": req_id, "ok": True, "result": pending.result()}
             except Exception as e:  # noqa: BLE001 - every outcome is an answer
                 response = _failure(req_id, e, "send")
             self._answer_now(response)

@@ -577,8 +577,8 @@ class Runtime:
         once it is durable, or the error that kept it from being applied.
         """
         self._check_open()
-        if self._remote(workflow_id) is not None:
-            return None
+        if self.leases is not None and self._remote(workflow_id) is not None:
+            return None  # without leases (SQLite) nothing is remote: no look needed
         unfit = self.scheduler.hold.incompatible.get(workflow_id)
         if unfit is not None:
             raise Conflict(f"workflow {workflow_id} does not fit the running code: {unfit}")
