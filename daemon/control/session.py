@@ -60,7 +60,8 @@ class InFlight:
 
     def __init__(self) -> None:
         self.count = 0
-        self._quiet = anyio.Event()
+        #: Set once the count is back at 0, made only while shutdown waits for that.
+        self._quiet: anyio.Event | None = None
 
     def started(self) -> None:
         """Count a request being answered."""
@@ -69,15 +70,18 @@ class InFlight:
     def done(self) -> None:
         """Count a request answered."""
         self.count -= 1
-        if not self.count:
+        if not self.count and self._quiet is not None:
             self._quiet.set()
 
     async def quiet(self, grace_s: float) -> None:
         """Wait up to `grace_s` until no request is being answered."""
-        with anyio.move_on_after(grace_s):
-            while self.count:
-                self._quiet = anyio.Event()
-                await self._quiet.wait()
+        try:
+            with anyio.move_on_after(grace_s):
+                while self.count:
+                    self._quiet = anyio.Event()
+                    await self._quiet.wait()
+        finally:
+            self._quiet = None
 
 
 class Session:
@@ -326,8 +330,10 @@ class Session:
         """Count one request answered (or given up with its connection)."""
         self.in_flight -= 1
         self._all.done()
-        if self.room is not None:
-            self.room.set()
+        room = self.room
+        if room is not None:  # the reader waits for a slot: this one
+            self.room = None
+            room.set()
 
     async def _respond(self, req: proto.AnyRequest) -> dict[str, Any]:
         try:
