@@ -97,6 +97,8 @@ class Actor:
     _workflow: str = ""
     #: Another daemon took the workflow's lease (a shared store): nothing more is written.
     _lost: bool = False
+    #: The resume running now reached an end: `_advance` saves it once resume returns.
+    _end_due: bool = False
     #: This workflow's checkpoint writes, in order; steps run on while one commits.
     _pipeline: Pipeline = field(init=False)
 
@@ -353,15 +355,19 @@ class Actor:
         # Anything that tells the outside (a reply, an end, a command) flushes first. Only when
         # no step is about to run and the workflow goes on may the engine set up waits (a
         # child's start, a listener) right after this: then it is durable first. An end is
-        # written in the same commit as the save that settles it, if it is not under way yet.
+        # written by the save that settles it once resume returns (`_advance`): taken here, it
+        # would be encoded only to be merged into that one.
+        if loaded.state.status in FINAL_STATUSES:
+            self._end_due = True
+            return
         pool = self.pool
-        if loaded.state.status in FINAL_STATUSES or (pool is not None and pool.stepping):
+        if pool is not None and pool.stepping:
             await self._pipeline.put(self._take(loaded))
         else:
             await self._save(loaded)
 
     async def _advance(self, loaded: Loaded) -> None:
-        loaded.next_run_at = None
+        loaded.next_run_at, self._end_due = None, False
 
         async def checkpoint(kind: CheckpointType) -> None:
             await self._checkpoint(loaded, kind)
@@ -411,7 +417,11 @@ class Actor:
         self._scope = None
         if type(loaded.wf) is cls:  # a reload may have switched its class meanwhile
             loaded.keep(defn)
+        end_due, self._end_due = self._end_due, False
         if self._cancelling or self._lost:
+            if end_due and not self._lost:
+                # Ended before the cancel came: what the cancel answers is that end, durable.
+                await self._put(loaded)
             return
         if loaded.state.status is WorkflowStatus.FINISHED:
             self._history.append(("finished", {}))
