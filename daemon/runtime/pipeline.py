@@ -94,20 +94,33 @@ class Pipeline:
         Then it waits until that write goes in flight (the one before it is durable), so at
         most `ahead` checkpoints wait behind the write in flight.
         """
+        if self.queue(save):
+            await self.room_taken()
+
+    def queue(self, save: Save) -> bool:
+        """Queue a checkpoint as `put` does; True: the caller must `await room_taken()` next.
+
+        A plain call: `put` without a coroutine of its own, for the actor's common case.
+        """
         if self._error is not None:
             raise self._error
-        if self._queued is None:
-            self._queued = save
+        queued = self._queued
+        if queued is None:
+            self._queued = queued = save
         else:
-            self._queued.merge(save)
+            queued.merge(save)
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._drain())
-        elif self._queued.count >= self._ahead:
-            if self._taken is None:
-                self._taken = asyncio.get_running_loop().create_future()
-            await asyncio.shield(self._taken)
-            if self._error is not None:
-                raise self._error
+            return False
+        return queued.count >= self._ahead
+
+    async def room_taken(self) -> None:
+        """Wait until the queued write goes in flight (`put` of a checkpoint found it full)."""
+        if self._taken is None:
+            self._taken = asyncio.get_running_loop().create_future()
+        await asyncio.shield(self._taken)
+        if self._error is not None:
+            raise self._error
 
     async def flush(self) -> None:
         """Wait until every queued checkpoint is durable; raise the error of one that failed."""

@@ -125,6 +125,11 @@ class StepPool:
         return None
 
     @property
+    def grouped(self) -> bool:
+        """Tell whether steps ran in tasks of their own: leaving the pool then waits for them."""
+        return self._tg is not None
+
+    @property
     def resting(self) -> bool:
         """Tell whether every step in flight waits for its retry (none runs)."""
         return self._flight > 0 and not self.running and len(self._backing_off) == self._flight
