@@ -394,7 +394,9 @@ class Actor:
             return
         pool = self.pool
         if pool is not None and pool.stepping:
-            if self._pipeline.queue(self._take(loaded)):
+            # Held back a moment: when the step is quick, the save after it merges into this
+            # write (a fired timer's resume: one commit, not two). Nothing waits for it.
+            if self._pipeline.queue(self._take(loaded), hold=True):
                 await self._pipeline.room_taken()
         else:
             await self._save(loaded)
