@@ -159,12 +159,18 @@ class Actor:
         """Process queued items and resume the workflow until it blocks."""
         # Bound for good, not restored: an actor runs in a task (and a context) of its own, and
         # `bound_contextvars` copies the whole context twice, per actor, per fired timer.
-        bind_contextvars(workflow_id=self.workflow_id)
-        loaded = await self._load()
-        if loaded is None:
-            return
+        if self._stop:
+            return  # stopped before it began: as `_load` would find
+        loaded = self.cache.touch(self.workflow_id)  # `_load`'s common case, with no coroutine
+        if loaded is not None:
+            bind_contextvars(workflow_id=self.workflow_id, workflow=loaded.state.workflow)
+        else:
+            bind_contextvars(workflow_id=self.workflow_id)  # for what loading it may log
+            loaded = await self._load()
+            if loaded is None:
+                return
+            bind_contextvars(workflow=loaded.state.workflow)
         self._workflow = loaded.state.workflow
-        bind_contextvars(workflow=loaded.state.workflow)
         try:
             await self._loop(loaded)
         finally:
