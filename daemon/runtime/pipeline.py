@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import weakref
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +51,41 @@ class Save:
         self.count += later.count
 
 
+class _Holds:
+    """The held writes (see Pipeline.queue) of every pipeline on one loop, under one timer.
+
+    A timer per held write would put thousands in the loop's heap during a burst of fired
+    timers (each push and pop a dozen Python-level comparisons); every hold is as long, so
+    they end in the order they began, and one timer for the oldest serves them all.
+    """
+
+    __slots__ = ("_held", "_timer")
+
+    def __init__(self) -> None:
+        self._held: deque[tuple[float, Pipeline]] = deque()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, loop: asyncio.AbstractEventLoop, pipeline: Pipeline, seconds: float) -> None:
+        """Issue `pipeline`'s held write `seconds` from now (if it is still held then)."""
+        when = loop.time() + seconds
+        self._held.append((when, pipeline))
+        if self._timer is None:
+            self._timer = loop.call_at(when, self._due, loop)
+
+    def _due(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        held, now = self._held, loop.time()
+        while held and held[0][0] <= now:
+            # One issued early (a flush) and held again since ends early: harmless.
+            held.popleft()[1]._hold_over()
+        if held:
+            self._timer = loop.call_at(held[0][0], self._due, loop)
+
+
+#: One _Holds per running loop (tests run many loops, one after the other).
+_HOLDS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Holds] = weakref.WeakKeyDictionary()
+
+
 class Pipeline:
     """Writes an actor's checkpoints one at a time, in the order they were taken.
 
@@ -71,8 +108,8 @@ class Pipeline:
         self._write, self._on_durable, self._ahead = write, on_durable, ahead
         self._hold_s = hold_s
         self._queued: Save | None = None
-        #: Issues a held write once HOLD_S is over (see `queue`).
-        self._timer: asyncio.TimerHandle | None = None
+        #: What is queued is held back (see `queue`): issued when its hold is over.
+        self._held = False
         # A bare task, not one of a task group's: it lives no longer than one write queue
         # drained, and every path out of the actor waits for it (`settle`). Written to from
         # outside the actor's cancel scopes, a commit under way is never cut off by a cancel.
@@ -122,18 +159,25 @@ class Pipeline:
             queued.merge(save)
         if self._task is None:
             if hold and queued.count < self._ahead:
-                if self._timer is None:
-                    self._timer = asyncio.get_running_loop().call_later(self._hold_s, self._issue)
+                if not self._held:
+                    self._held = True
+                    loop = asyncio.get_running_loop()
+                    holds = _HOLDS.get(loop)
+                    if holds is None:
+                        holds = _HOLDS[loop] = _Holds()
+                    holds.add(loop, self, self._hold_s)
                 return False
             self._issue()
             return False
         return queued.count >= self._ahead
 
+    def _hold_over(self) -> None:
+        if self._held:
+            self._issue()
+
     def _issue(self) -> None:
         """Start writing what is queued (a held write's time is over, or it is wanted now)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._held = False
         if self._task is None and self._queued is not None:
             self._task = asyncio.get_running_loop().create_task(self._drain())
 
@@ -147,7 +191,7 @@ class Pipeline:
 
     async def flush(self) -> None:
         """Wait until every queued checkpoint is durable; raise the error of one that failed."""
-        if self._timer is not None:
+        if self._held:
             self._issue()
         while self._task is not None:
             # Not the task itself: a cancelled caller stops waiting, the write goes on.
@@ -162,7 +206,7 @@ class Pipeline:
 
         A write held back (see `queue`) is issued first: it is as good as in flight.
         """
-        if self._timer is not None:
+        if self._held:
             self._issue()
         if self._task is None:
             return  # nothing in flight: no shielded scope to make (once per actor)
