@@ -44,7 +44,8 @@ class StepPool:
     the workflow, and leaving the pool cancels the rest (sync steps are abandoned). A step
     alone in flight may run the thread's next quick steps with it, as a chain (see Chain and
     Start.then), when the pool is given `room`. Use it as
-    `async with StepPool(...) as pool: await resume(..., steps=pool)`.
+    `async with StepPool(...) as pool: await resume(..., steps=pool)`; entering it does
+    nothing, and leaving it matters only when `grouped` (the actor skips both otherwise).
     """
 
     def __init__(
