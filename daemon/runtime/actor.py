@@ -6,9 +6,8 @@ import asyncio
 import copy
 import sqlite3
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import anyio
@@ -97,6 +96,10 @@ class Actor:
     _workflow: str = ""
     #: Another daemon took the workflow's lease (a shared store): nothing more is written.
     _lost: bool = False
+    #: The resume running now reached an end: `_advance` saves it once resume returns.
+    _end_due: bool = False
+    #: The workflow the resume running now moves on (`_advance`).
+    _resuming: Loaded | None = None
     #: This workflow's checkpoint writes, in order; steps run on while one commits.
     _pipeline: Pipeline = field(init=False)
 
@@ -156,12 +159,18 @@ class Actor:
         """Process queued items and resume the workflow until it blocks."""
         # Bound for good, not restored: an actor runs in a task (and a context) of its own, and
         # `bound_contextvars` copies the whole context twice, per actor, per fired timer.
-        bind_contextvars(workflow_id=self.workflow_id)
-        loaded = await self._load()
-        if loaded is None:
-            return
+        if self._stop:
+            return  # stopped before it began: as `_load` would find
+        loaded = self.cache.touch(self.workflow_id)  # `_load`'s common case, with no coroutine
+        if loaded is not None:
+            bind_contextvars(workflow_id=self.workflow_id, workflow=loaded.state.workflow)
+        else:
+            bind_contextvars(workflow_id=self.workflow_id)  # for what loading it may log
+            loaded = await self._load()
+            if loaded is None:
+                return
+            bind_contextvars(workflow=loaded.state.workflow)
         self._workflow = loaded.state.workflow
-        bind_contextvars(workflow=loaded.state.workflow)
         try:
             await self._loop(loaded)
         finally:
@@ -199,7 +208,15 @@ class Actor:
                 if due is None or due <= self.clock.now():
                     while self.items and self.items[0].kind == "resume":
                         self.items.popleft()  # this is the resume it asks for
-                    loaded = await self._guard(self._advance, loaded)
+                    # What `_guard` does, one coroutine frame fewer at each of the resume's
+                    # suspensions (a step's worker, a commit): the common case, every item.
+                    try:
+                        await self._advance(loaded)
+                    except Exception as e:  # noqa: BLE001 - handled as `_guard` handles it
+                        loaded = await self._recover(loaded, e)
+                        continue
+                    self._io_failures = 0
+                    loaded = self.cache.get(self.workflow_id) or loaded
                     continue
                 # A step's retry holds its workflow; a broken wait's retry holds only itself:
                 # its siblings' callbacks (and the rest of the queue) are taken meanwhile.
@@ -211,7 +228,16 @@ class Actor:
                 return
             item = self.items.popleft()
             if item.kind == "callback":
-                loaded = await self._guard(_answered, loaded, self._callback, item)
+                try:
+                    await self._callback(loaded, item)
+                except Exception as e:  # noqa: BLE001 - handled as `_guard` handles it
+                    # The item is off the queue by now: nothing else would ever answer it.
+                    if item.reply is not None:
+                        item.reply.fail(_unexpected(e))
+                    loaded = await self._recover(loaded, e)
+                    continue
+                self._io_failures = 0
+                loaded = self.cache.get(self.workflow_id) or loaded
             elif item.kind == "resume":
                 loaded.next_run_at = self.clock.now()  # resume once (e.g. to retry a setup)
             elif item.kind == "cancel":
@@ -224,13 +250,17 @@ class Actor:
         """Run one unit of work; an I/O failure reloads the durable state and backs off."""
         try:
             await fn(loaded, *args)
-            self._io_failures = 0
-            return self.cache.get(self.workflow_id) or loaded
-        except WorkflowLost:
+        except Exception as e:  # noqa: BLE001 - e.g. disk full: never crash, back off and retry
+            return await self._recover(loaded, e)
+        self._io_failures = 0
+        return self.cache.get(self.workflow_id) or loaded
+
+    async def _recover(self, loaded: Loaded, e: Exception) -> Loaded:
+        """Handle a unit of work that raised: back off and read the durable state back."""
+        if isinstance(e, WorkflowLost):
             self._dropped()
             return loaded
-        except Exception as e:  # noqa: BLE001 - e.g. disk full: never crash, back off and retry
-            await self._back_off(e)
+        await self._back_off(e)
         fresh = await self._load()
         if fresh is None:
             self._stop = True  # gone from the store, or stopping: nothing left to do
@@ -332,11 +362,18 @@ class Actor:
 
     async def _save(self, loaded: Loaded, data: str | None = None) -> None:
         """Save the workflow and return once it is durable, with every checkpoint before it."""
-        await self._pipeline.put(self._take(loaded, data))
+        if self._pipeline.queue(self._take(loaded, data)):
+            await self._pipeline.room_taken()
         await self._pipeline.flush()
 
     async def _put(self, loaded: Loaded) -> None:
-        await self._pipeline.put(self._take(loaded))
+        if self._pipeline.queue(self._take(loaded)):
+            await self._pipeline.room_taken()
+
+    async def _put_resuming(self) -> None:
+        """Put a checkpoint of the workflow the resume running now moves on (see StepPool)."""
+        assert self._resuming is not None
+        await self._put(self._resuming)
 
     async def _refresh(self, loaded: Loaded) -> None:
         await self._reload()
@@ -344,62 +381,81 @@ class Actor:
     async def _flush(self) -> None:
         await self._pipeline.flush()
 
-    async def _checkpoint(self, loaded: Loaded, kind: CheckpointType) -> None:
+    async def _checkpoint(self, kind: CheckpointType) -> None:
+        """Take the engine's checkpoint of the workflow the resume running now moves on."""
         # Resume transitions are a pure function of data and state, so only what follows a
         # side effect must be durable at once; the rest is written when resume returns.
         if kind not in _DURABLE:
             return
+        loaded = self._resuming
+        assert loaded is not None
         # The next step need not wait for this commit: nothing outside has seen its effect yet.
         # Anything that tells the outside (a reply, an end, a command) flushes first. Only when
         # no step is about to run and the workflow goes on may the engine set up waits (a
         # child's start, a listener) right after this: then it is durable first. An end is
-        # written in the same commit as the save that settles it, if it is not under way yet.
+        # written by the save that settles it once resume returns (`_advance`): taken here, it
+        # would be encoded only to be merged into that one.
+        if loaded.state.status in FINAL_STATUSES:
+            self._end_due = True
+            return
         pool = self.pool
-        if loaded.state.status in FINAL_STATUSES or (pool is not None and pool.stepping):
-            await self._pipeline.put(self._take(loaded))
+        if pool is not None and pool.stepping:
+            # Held back a moment: when the step is quick, the save after it merges into this
+            # write (a fired timer's resume: one commit, not two). Nothing waits for it.
+            if self._pipeline.queue(self._take(loaded), hold=True):
+                await self._pipeline.room_taken()
         else:
             await self._save(loaded)
 
+    async def _on_retry(self, detail: dict[str, Any], attempt: int, error: str, due: float) -> None:
+        assert self._resuming is not None
+        await self._retry_due(self._resuming, detail, attempt, error, due)
+
     async def _advance(self, loaded: Loaded) -> None:
-        loaded.next_run_at = None
-
-        async def checkpoint(kind: CheckpointType) -> None:
-            await self._checkpoint(loaded, kind)
-
+        loaded.next_run_at, self._end_due = None, False
+        # What the engine's checkpoints and the pool's callbacks save: bound methods reading
+        # it, not closures made per resume.
+        self._resuming = loaded
         # Failed attempts stored before a restart count for the threads that were running.
-        attempts = {t.id: loaded.attempt for t in loaded.state.threads if t.status is _EXECUTING}
+        attempts = (
+            {t.id: loaded.attempt for t in loaded.state.threads if t.status is _EXECUTING}
+            if loaded.attempt
+            else None
+        )
         # Taken off the workflow while the resume runs: steps change the data.
         defn, cls = loaded.definition(), type(loaded.wf)
         loaded.keep(None)
 
-        async def on_retry(detail: dict[str, Any], attempt: int, error: str, due: float) -> None:
-            await self._retry_due(loaded, detail, attempt, error, due)
-
         # Not an anyio CancelScope: the first in a task costs ~10 µs, once per resume.
         async with Interruptible() as self._scope:
             try:
-                async with StepPool(
+                pool = self.pool = StepPool(
                     limiter=self.limiter,
                     clock=self.clock,
                     settings=self.settings,
                     note=self._note,
-                    on_retry=on_retry,
+                    on_retry=self._on_retry,
                     attempts=attempts,
                     observe=self._observe_step,
                     durable=self._flush,
                     room=self._pipeline.room,
-                    save=partial(self._put, loaded),
-                ) as self.pool:
+                    save=self._put_resuming,
+                )
+                try:
                     if self._stop:  # shutdown began while this resume was being set up
-                        self.pool.stop()
+                        pool.stop()
                     defn = await resume(
                         loaded.wf,
                         loaded.state,
-                        checkpoint,
-                        steps=self.pool,
+                        self._checkpoint,
+                        steps=pool,
                         on_conflict=self._conflict,
                         definition=defn,
                     )
+                finally:
+                    # `async with pool`, less its two calls when no step ran in a task.
+                    if pool.grouped:
+                        await pool.__aexit__(None, None, None)
             except WorkflowLost:
                 raise  # not a failure of the workflow: another daemon runs it now
             except WorkflowdError as e:  # StepFailed (for good) among them
@@ -407,11 +463,15 @@ class Actor:
                 return
             finally:
                 self._stale = self._stale or (self.pool is not None and self.pool.stale)
-                self.pool = None
+                self.pool = self._resuming = None
         self._scope = None
         if type(loaded.wf) is cls:  # a reload may have switched its class meanwhile
             loaded.keep(defn)
+        end_due, self._end_due = self._end_due, False
         if self._cancelling or self._lost:
+            if end_due and not self._lost:
+                # Ended before the cancel came: what the cancel answers is that end, durable.
+                await self._put(loaded)
             return
         if loaded.state.status is WorkflowStatus.FINISHED:
             self._history.append(("finished", {}))
@@ -433,7 +493,9 @@ class Actor:
             log.warning("handler_failed", error=loaded.error, retry_in_s=delay)
         else:
             loaded.attempt, loaded.error = 0, None
-        await self._save(loaded)
+        if self._pipeline.queue(self._take(loaded)):
+            await self._pipeline.room_taken()
+        await self._pipeline.flush()  # what `_save` does, with two coroutine frames fewer
         loaded.keep(self.arms.rearm(loaded.wf, loaded.state, loaded.definition()))
 
     async def _listen_failed(self, loaded: Loaded, item: Item) -> None:
@@ -544,6 +606,10 @@ class Actor:
         defn = loaded.definition()
         loaded.keep(None)  # the handler changes the data
         try:
+            before = loaded.wf.snapshot()
+        except (msgspec.MsgspecError, TypeError, ValueError, RecursionError):
+            before = None  # data that no longer encodes: the full check below says why
+        try:
             out = await handle_callback(
                 item.req, loaded.wf, loaded.state, item.input, definition=defn
             )
@@ -551,7 +617,7 @@ class Actor:
             await self._reject(loaded, item, reply, e)
             return
         try:
-            data = _check_fits(loaded.wf)
+            data = _check_fits(loaded.wf, before)
         except HandlerRejected as e:
             # The handler stored what the data fields cannot hold (a float in an int field):
             # saved, the row would no longer load. Start again from the durable state.
@@ -589,7 +655,8 @@ class Actor:
                     self._unsaved.append(item)
             elif self.metrics is not None:
                 self.metrics.callback("applied")
-            await self._pipeline.put(self._take(loaded, data))
+            if self._pipeline.queue(self._take(loaded, data)):
+                await self._pipeline.room_taken()
             # Logged once the write is queued: the log thread this wakes then renders while
             # the writer commits, instead of holding the GIL before the write is handed over.
             _log_received(event, item.req)
@@ -646,21 +713,6 @@ class Actor:
                 item.reply.fail(error)
 
 
-async def _answered(
-    loaded: Loaded, callback: Callable[[Loaded, Item], Awaitable[None]], item: Item
-) -> None:
-    """Apply a callback item; if that raises, answer its sender with the error, then re-raise.
-
-    The item is off the queue by then, so nothing else would ever answer it.
-    """
-    try:
-        await callback(loaded, item)
-    except Exception as e:
-        if item.reply is not None:
-            item.reply.fail(_unexpected(e))
-        raise
-
-
 def _log_received(event: str, req: CallbackRequest) -> None:
     log.info("callback_received", event_name=event, thread=req.thread_id or None)
 
@@ -696,12 +748,20 @@ def _fail_replies(items: list[Item], why: str) -> None:
             item.reply.fail(Unavailable(why))
 
 
-def _check_fits(wf: Workflow) -> str:
-    """Return the data as JSON; raise HandlerRejected unless it round-trips through its types."""
+def _check_fits(wf: Workflow, before: bytes | None = None) -> str:
+    """Return the data as JSON; raise HandlerRejected unless it round-trips through its types.
+
+    `before` is the data as encoded before the handler ran, if known: data the handler left
+    as it was still fits (it was decoded through these types, or checked so, when it came in).
+    """
     try:
-        data = wf.to_json()
-        type(wf).from_json(data)
-        return data
+        data = wf.snapshot()
+        # Decoding through the types costs ~10x the encode: done only when the handler wrote
+        # something, and without from_json's fill_defaults (a walk of the data in Python that
+        # only fills in the decoded copy, which is thrown away).
+        if data != before:
+            msgspec.json.decode(data, type=type(wf))
+        return data.decode()
     except (msgspec.MsgspecError, TypeError, ValueError, RecursionError) as e:
         # RecursionError: data nested too deeply (or holding itself) to be saved.
         raise HandlerRejected(f"the input does not fit {type(wf).__name__}'s fields: {e}") from e

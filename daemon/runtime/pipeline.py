@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import weakref
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +16,9 @@ from daemon.runtime.work import Item
 #: Checkpoints one queued write may stand for before the next one waits for a commit: with
 #: the write in flight, at most twice this many steps run again after a crash.
 AHEAD = 32
+#: How long a checkpoint taken as a step starts is held back before its write is issued
+#: (see Pipeline.queue): a quick step's checkpoint merges into it, one write instead of two.
+HOLD_S = 0.002
 
 
 @dataclass(slots=True, eq=False)
@@ -46,6 +51,41 @@ class Save:
         self.count += later.count
 
 
+class _Holds:
+    """The held writes (see Pipeline.queue) of every pipeline on one loop, under one timer.
+
+    A timer per held write would put thousands in the loop's heap during a burst of fired
+    timers (each push and pop a dozen Python-level comparisons); every hold is as long, so
+    they end in the order they began, and one timer for the oldest serves them all.
+    """
+
+    __slots__ = ("_held", "_timer")
+
+    def __init__(self) -> None:
+        self._held: deque[tuple[float, Pipeline]] = deque()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, loop: asyncio.AbstractEventLoop, pipeline: Pipeline, seconds: float) -> None:
+        """Issue `pipeline`'s held write `seconds` from now (if it is still held then)."""
+        when = loop.time() + seconds
+        self._held.append((when, pipeline))
+        if self._timer is None:
+            self._timer = loop.call_at(when, self._due, loop)
+
+    def _due(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        held, now = self._held, loop.time()
+        while held and held[0][0] <= now:
+            # One issued early (a flush) and held again since ends early: harmless.
+            held.popleft()[1]._hold_over()
+        if held:
+            self._timer = loop.call_at(held[0][0], self._due, loop)
+
+
+#: One _Holds per running loop (tests run many loops, one after the other).
+_HOLDS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Holds] = weakref.WeakKeyDictionary()
+
+
 class Pipeline:
     """Writes an actor's checkpoints one at a time, in the order they were taken.
 
@@ -63,9 +103,13 @@ class Pipeline:
         *,
         on_durable: Callable[[Save], None] = lambda save: None,
         ahead: int = AHEAD,
+        hold_s: float = HOLD_S,
     ) -> None:
         self._write, self._on_durable, self._ahead = write, on_durable, ahead
+        self._hold_s = hold_s
         self._queued: Save | None = None
+        #: What is queued is held back (see `queue`): issued when its hold is over.
+        self._held = False
         # A bare task, not one of a task group's: it lives no longer than one write queue
         # drained, and every path out of the actor waits for it (`settle`). Written to from
         # outside the actor's cancel scopes, a commit under way is never cut off by a cancel.
@@ -86,7 +130,7 @@ class Pipeline:
     @property
     def idle(self) -> bool:
         """Tell whether nothing is queued or being written."""
-        return self._task is None
+        return self._task is None and self._queued is None
 
     async def put(self, save: Save) -> None:
         """Queue a checkpoint; wait only if the queued write already stands for `ahead` of them.
@@ -94,23 +138,61 @@ class Pipeline:
         Then it waits until that write goes in flight (the one before it is durable), so at
         most `ahead` checkpoints wait behind the write in flight.
         """
+        if self.queue(save):
+            await self.room_taken()
+
+    def queue(self, save: Save, *, hold: bool = False) -> bool:
+        """Queue a checkpoint as `put` does; True: the caller must `await room_taken()` next.
+
+        A plain call: `put` without a coroutine of its own, for the actor's common case.
+        `hold`: the checkpoint acknowledges nothing and a step runs next; with no write in
+        flight, its write is issued HOLD_S later (or at the next `flush`, `settle`, or a
+        checkpoint not held), so that a quick step's checkpoint, or the save after it,
+        merges into it. A step that takes longer still runs while the write commits.
+        """
         if self._error is not None:
             raise self._error
-        if self._queued is None:
-            self._queued = save
+        queued = self._queued
+        if queued is None:
+            self._queued = queued = save
         else:
-            self._queued.merge(save)
+            queued.merge(save)
         if self._task is None:
+            if hold and queued.count < self._ahead:
+                if not self._held:
+                    self._held = True
+                    loop = asyncio.get_running_loop()
+                    holds = _HOLDS.get(loop)
+                    if holds is None:
+                        holds = _HOLDS[loop] = _Holds()
+                    holds.add(loop, self, self._hold_s)
+                return False
+            self._issue()
+            return False
+        return queued.count >= self._ahead
+
+    def _hold_over(self) -> None:
+        if self._held:
+            self._issue()
+
+    def _issue(self) -> None:
+        """Start writing what is queued (a held write's time is over, or it is wanted now)."""
+        self._held = False
+        if self._task is None and self._queued is not None:
             self._task = asyncio.get_running_loop().create_task(self._drain())
-        elif self._queued.count >= self._ahead:
-            if self._taken is None:
-                self._taken = asyncio.get_running_loop().create_future()
-            await asyncio.shield(self._taken)
-            if self._error is not None:
-                raise self._error
+
+    async def room_taken(self) -> None:
+        """Wait until the queued write goes in flight (`put` of a checkpoint found it full)."""
+        if self._taken is None:
+            self._taken = asyncio.get_running_loop().create_future()
+        await asyncio.shield(self._taken)
+        if self._error is not None:
+            raise self._error
 
     async def flush(self) -> None:
         """Wait until every queued checkpoint is durable; raise the error of one that failed."""
+        if self._held:
+            self._issue()
         while self._task is not None:
             # Not the task itself: a cancelled caller stops waiting, the write goes on.
             drained = asyncio.get_running_loop().create_future()
@@ -120,7 +202,12 @@ class Pipeline:
             raise self._error
 
     async def settle(self) -> None:
-        """Wait for the write in flight, whatever its outcome (before reading the store back)."""
+        """Wait for the write in flight, whatever its outcome (before reading the store back).
+
+        A write held back (see `queue`) is issued first: it is as good as in flight.
+        """
+        if self._held:
+            self._issue()
         if self._task is None:
             return  # nothing in flight: no shielded scope to make (once per actor)
         with anyio.CancelScope(shield=True):

@@ -44,7 +44,8 @@ class StepPool:
     the workflow, and leaving the pool cancels the rest (sync steps are abandoned). A step
     alone in flight may run the thread's next quick steps with it, as a chain (see Chain and
     Start.then), when the pool is given `room`. Use it as
-    `async with StepPool(...) as pool: await resume(..., steps=pool)`.
+    `async with StepPool(...) as pool: await resume(..., steps=pool)`; entering it does
+    nothing, and leaving it matters only when `grouped` (the actor skips both otherwise).
     """
 
     def __init__(
@@ -123,6 +124,11 @@ class StepPool:
         # ExceptionGroup, and the engine's StepFailed must reach the actor as it is.
         await self._tg.__aexit__(None, None, None)
         return None
+
+    @property
+    def grouped(self) -> bool:
+        """Tell whether steps ran in tasks of their own: leaving the pool then waits for them."""
+        return self._tg is not None
 
     @property
     def resting(self) -> bool:

@@ -54,3 +54,24 @@ class StepThenTimer(Workflow):
             Wait("sleep", On("ring", Timer(after=self.after_s))),
             Step("note_rang", self.ring),
         )
+
+
+@dataclass
+class TimerThenStep(Workflow):
+    """Waits for a short timer, then runs a sync step, `n` times over; then ends."""
+
+    n: int = 10
+    steps: int = 0
+
+    def count(self) -> None:
+        self.steps += 1
+
+    def definition(self) -> Section:
+        return S(
+            For(
+                "loop",
+                self.steps < self.n,
+                Wait("sleep", On("ring", Timer(after=0.05))),
+                Step("count", self.count),
+            )
+        )

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from daemon import For, S, Section, Step, Workflow
@@ -93,6 +94,35 @@ class TestPipeline:
             assert not blocked.is_set()  # 2, 3 and 4 queued: 4 waits for the commits
             gate.set()
         assert [w for w, _, _ in writes.written] == ["1", "4"]
+
+    async def test_a_held_checkpoint_merges_with_the_next_one(self) -> None:
+        """A checkpoint queued with `hold` is not written before the next one joins it."""
+        writes = Writes()
+        p = Pipeline(writes, hold_s=3600)  # never issued by its timer within this test
+        assert not p.queue(save(1), hold=True)
+        await anyio.lowlevel.checkpoint()  # a loop turn: a write not held starts in it
+        assert writes.started == [] and not p.idle
+        assert not p.queue(save(2))
+        await p.flush()
+        assert writes.written == [("2", 2, [1, 2])] and p.idle
+
+    async def test_a_held_checkpoint_is_written_once_its_hold_is_over(self) -> None:
+        """With nothing after it, a held checkpoint is written anyway: a slow step overlaps it."""
+        writes = Writes()
+        p = Pipeline(writes, hold_s=0.001)
+        p.queue(save(1), hold=True)
+        await until(lambda: writes.written == [("1", 1, [1])])
+        assert p.idle
+
+    async def test_flush_and_settle_issue_a_held_write_at_once(self) -> None:
+        """Whoever waits for durability (or for the write in flight) does not wait out a hold."""
+        writes = Writes()
+        p = Pipeline(writes, hold_s=3600)
+        p.queue(save(1), hold=True)
+        await p.flush()
+        p.queue(save(2), hold=True)
+        await p.settle()
+        assert [w for w, _, _ in writes.written] == ["1", "2"]
 
     async def test_failure_drops_what_follows(self) -> None:
         """A failed write loses those queued after it; put and flush raise; events come back."""
