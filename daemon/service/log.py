@@ -20,7 +20,14 @@ import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
 
 from daemon.service.journal import JournalLogger, JournalRenderer, journal_fields
-from daemon.service.logwriter import Batcher, Queued, Record, iso_time, merge_context
+from daemon.service.logwriter import (
+    Batcher,
+    Queued,
+    Record,
+    iso_time,
+    merge_context,
+    stamped,
+)
 
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
 _level = [LEVELS["info"]]  # mutable so set_level reaches loggers that are already cached
@@ -199,14 +206,10 @@ def _json_emitter(
     """
 
     def emit(batch: list[Record]) -> None:
-        dicts: list[Any] = []  # the event dicts _queue made: plain dicts
-        for method, event_dict, context, stamp in batch:
-            merge_context(event_dict, context)
-            event_dict["timestamp"] = iso_time(stamp)
-            event_dict["level"] = _METHOD_LEVEL.get(method, method)
+        dicts: list[Any] = stamped(batch, _METHOD_LEVEL)  # the event dicts _queue made
+        for i, event_dict in enumerate(dicts):
             if "exc_info" in event_dict:  # it renders the traceback into this same dict
-                _tracebacks(None, method, event_dict)
-            dicts.append(event_dict)
+                _tracebacks(None, batch[i][0], event_dict)
         if hub is not None:
             hub.publish_many(dicts)
         if sink is not None:  # one datagram per record, each with its own fields
