@@ -351,8 +351,12 @@ class SQLiteStore(Reads):
         self, workflow_id: str, event: str, input: Any, *, thread_id: str = "", pc: int = 0
     ) -> int:
         """Record a callback durably and return its inbox id."""
-        params = (workflow_id, event, thread_id, pc, schema.to_json(input), get_clock().now())
-        inbox_id: int = await self._writes.submit_many(self._inbox_puts, params)
+        params = (workflow_id, event, thread_id, pc, _encode(input).decode(), get_clock().now())
+        w = self._writes.put_many(self._inbox_puts, params)  # flat: one per callback
+        await w
+        if w.error is not None:
+            raise w.error
+        inbox_id: int = w.value
         return inbox_id
 
     @staticmethod
@@ -611,7 +615,10 @@ class SQLiteStore(Reads):
 
     async def hooks_done(self, hook_ids: Sequence[int]) -> None:
         """Forget endings whose hooks ran (or that have none)."""
-        await self._writes.submit_many(self._drop_hook_runs, [(i,) for i in hook_ids])
+        w = self._writes.put_many(self._drop_hook_runs, [(i,) for i in hook_ids])  # one per end
+        await w
+        if w.error is not None:
+            raise w.error
 
     # -- recovery of sleeping workflows (reads only) ----------------------------------------
 

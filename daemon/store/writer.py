@@ -360,7 +360,9 @@ class GroupWriter:
         else:  # the common case, inline: one call less per batch
             stats.commits += commits
             stats.writes += len(batch) - failed
-        _finish(batch)
+        for w in batch:  # _finish, inline
+            if not w.done():
+                w.set_result(None)
 
     _finished = staticmethod(_finish)
 
