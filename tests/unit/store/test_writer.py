@@ -15,10 +15,11 @@ import anyio
 import pytest
 import structlog
 
-from daemon.errors import Unavailable
+from daemon.errors import Unavailable, WorkflowNotFound
 from daemon.store.base import WorkflowRow
 from daemon.store.sqlite import SQLiteStore
 from daemon.store.writer import GroupWriter, statement
+from tests.helpers.wait import until
 
 CEILING_S = 10.0
 
@@ -377,3 +378,79 @@ class TestStore:
                 # Three entries, two kept: numbered 1..3 and trimmed as one create alone would.
                 assert [h.detail["n"] for h in await store.history(wid)] == [1, 2]
             assert await store.history("old") == []
+
+    async def test_a_cancelled_checkpoint_is_written_once_and_its_batch_goes_on(
+        self, tmp_path: Path
+    ) -> None:
+        """A checkpoint whose caller is cancelled once queued is committed exactly once; the
+        checkpoints around it in its batch commit and wake their callers."""
+        async with SQLiteStore.open(tmp_path / "wf.db") as store:
+            await store.create(WorkflowRow("a", "Demo", "Resuming", "{}", "{}"))
+            release = threading.Event()
+            blocker = asyncio.ensure_future(
+                store._writes.call(lambda conn: release.wait(CEILING_S))
+            )
+            await asyncio.sleep(0)
+            saves = [
+                asyncio.ensure_future(
+                    store.checkpoint(
+                        "a",
+                        status="Waiting",
+                        data=f'{{"n":{n}}}',
+                        state="{}",
+                        history=[("step", {"n": n})],
+                    )
+                )
+                for n in range(3)
+            ]
+            await asyncio.sleep(0)
+            saves[1].cancel()
+            commits = store.stats.commits
+            release.set()
+            await blocker
+            await asyncio.gather(saves[0], saves[2])
+            assert saves[1].cancelled()
+            assert store.stats.commits == commits + 1 and store.stats.writes >= 3
+            got = await store.get("a")
+            assert got is not None and got.data == '{"n":2}'
+            assert [h.detail["n"] for h in await store.history("a")] == [0, 1, 2]
+
+    async def test_each_write_of_a_failed_batch_gets_its_own_outcome(self, tmp_path: Path) -> None:
+        """In a batch that fails, the checkpoint of a missing workflow raises; the others
+        commit (the batch is split) and their callers wake without an error."""
+        async with SQLiteStore.open(tmp_path / "wf.db") as store:
+            for wid in ("a", "c"):
+                await store.create(WorkflowRow(wid, "Demo", "Resuming", "{}", "{}"))
+            release = threading.Event()
+            blocker = asyncio.ensure_future(
+                store._writes.call(lambda conn: release.wait(CEILING_S))
+            )
+            await asyncio.sleep(0)
+            saves = [
+                asyncio.ensure_future(
+                    store.checkpoint(wid, status="Waiting", data='{"n":1}', state="{}")
+                )
+                for wid in ("a", "missing", "c")
+            ]
+            await asyncio.sleep(0)
+            release.set()
+            await blocker
+            outcomes = await asyncio.gather(*saves, return_exceptions=True)
+            assert outcomes[0] is None and outcomes[2] is None
+            assert isinstance(outcomes[1], WorkflowNotFound) and "missing" in str(outcomes[1])
+            assert store.stats.splits == 1
+            for wid in ("a", "c"):
+                got = await store.get(wid)
+                assert got is not None and got.data == '{"n":1}'
+            assert await store.get("missing") is None
+
+    async def test_an_idle_writer_is_woken_by_each_lone_write(self, tmp_path: Path) -> None:
+        """Writes that each find the thread idle wake it, and each is committed before its
+        caller wakes: none waits for a later write to ring the bell."""
+        db = tmp_path / "w.db"
+        async with writer(db) as (w, _):
+            for k in range(30):
+                await until(lambda: w._idle, CEILING_S)  # the thread sleeps on its bell
+                await w.submit(insert(k))
+                assert committed(db) == k + 1
+            assert w.stats.wakes >= 30
