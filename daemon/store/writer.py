@@ -228,7 +228,16 @@ class GroupWriter:
         Await it, then raise its `error` if it has one, else take its `value`: the flat path
         of a caller that would otherwise add a coroutine frame per write.
         """
-        return self._put(None, many, item, False)
+        # _put, inline: this is every checkpoint's way in.
+        if self._closing:
+            raise Unavailable("the store is closed")
+        w = _Write(loop=self._loop or asyncio.get_running_loop())
+        w.apply, w.many, w.item, w.alone, w.value, w.error = None, many, item, False, None, None
+        with self._lock:
+            self._queue.append(w)
+            if self._idle:
+                self._ring()
+        return w
 
     async def call(self, fn: Apply) -> Any:
         """Run `fn` on the writer's connection between batches, outside any transaction."""
