@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sqlite3
 import threading
 import time
@@ -37,6 +38,7 @@ class StoreStats:
     writes: int = 0  #: write requests committed
     splits: int = 0  #: failed batches retried one request per transaction
     wakes: int = 0  #: times a write woke the idle writer thread
+    hand_backs: int = 0  #: times the writer thread woke the loop (batches ride along)
 
     def batch(self, size: int, failed: int, commits: int, split: bool) -> None:
         """Count one batch written in `commits` transactions; a split batch is logged."""
@@ -185,6 +187,10 @@ class GroupWriter:
         self._posts_lock = threading.Lock()
         self._posts: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
         self._posts_due = False  # a _run_posts is on its way to the loop
+        # The thread wakes the loop with one byte on a pipe of its own, which the loop watches
+        # (add_reader): one C call in the thread, where call_soon_threadsafe is eight Python
+        # calls, a Handle and a context copy, plus the loop's own self-pipe reader.
+        self._wake_r = self._wake_w = -1
 
     @property
     def closed(self) -> bool:
@@ -195,6 +201,10 @@ class GroupWriter:
         """Start the writer thread, which posts its results to the running event loop."""
         self._loop = asyncio.get_running_loop()
         self._stopped = self._loop.create_future()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._loop.add_reader(self._wake_r, self._run_posts)
         self._thread = threading.Thread(target=self._main, name="workflowd-writer", daemon=True)
         self._thread.start()
 
@@ -290,7 +300,11 @@ class GroupWriter:
         finally:
             with contextlib.suppress(sqlite3.Error):
                 self._conn.close()
-            self._post(self._ended)
+            if not self._post(self._ended):  # the loop is gone: nobody else closes the pipe
+                for fd in (self._wake_r, self._wake_w):
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                self._wake_r = self._wake_w = -1
 
     def _serve(self) -> None:
         """Commit batches until closed and drained."""
@@ -333,7 +347,7 @@ class GroupWriter:
         """Run `fn(*args)` on the loop, after what was posted before; False if the loop is gone.
 
         A loop that has not yet taken the last post takes this one with it: batches committed
-        while the loop is busy cost it one wake-up (and this thread one write to its self-pipe)
+        while the loop is busy cost it one wake-up (and this thread one write to the pipe)
         between them, not one each.
         """
         loop = self._loop
@@ -343,16 +357,24 @@ class GroupWriter:
             if self._posts_due:
                 return not loop.is_closed()
             self._posts_due = True
-        try:
-            loop.call_soon_threadsafe(self._run_posts)
-            return True
-        except RuntimeError:  # the loop is closed: nobody awaits these any more
+        if loop.is_closed():  # nobody awaits these any more
             return False
+        try:
+            os.write(self._wake_w, b"\0")  # at most one byte unread: it never fills
+        except OSError:  # closed by _ended: the loop took its last post
+            return False
+        return True
 
     def _run_posts(self) -> None:
+        try:  # noqa: SIM105 - contextlib.suppress costs three calls per wake-up
+            os.read(self._wake_r, 64)  # before taking the posts: a later one writes again
+        except BlockingIOError:  # a wake-up already read, its posts taken with the last ones
+            pass
         with self._posts_lock:
             posts, self._posts = self._posts, []
             self._posts_due = False
+        if posts:
+            self.stats.hand_backs += 1
         for fn, args in posts:
             fn(*args)
 
@@ -401,5 +423,11 @@ class GroupWriter:
                 w.error = Unavailable("the store closed before this write was committed")
                 w.set_result(None)
         self._current = []
+        if self._wake_r >= 0:  # the thread has posted its last: the pipe is done with
+            assert self._loop is not None
+            self._loop.remove_reader(self._wake_r)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = -1
         if self._stopped is not None and not self._stopped.done():
             self._stopped.set_result(None)

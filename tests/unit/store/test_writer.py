@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 import threading
 import time
@@ -83,61 +84,38 @@ def insert(k: int) -> Callable[[sqlite3.Connection], None]:
 
 class TestThread:
     async def test_one_wake_per_batch(self, tmp_path: Path) -> None:
-        """200 concurrent writes reach the loop with one call_soon_threadsafe per batch."""
-        loop = asyncio.get_running_loop()
-        posts = 0
-        real = loop.call_soon_threadsafe
-
-        def counted(*args: Any, **kwargs: Any) -> asyncio.Handle:
-            nonlocal posts
-            posts += 1
-            return real(*args, **kwargs)
-
+        """200 concurrent writes reach the loop with one wake-up per batch at most."""
         async with writer(tmp_path / "w.db") as (w, _):
-            loop.call_soon_threadsafe = counted  # type: ignore[method-assign,assignment]
-            try:
-                async with anyio.create_task_group() as tg:
-                    for k in range(200):
-                        tg.start_soon(w.submit, insert(k))
-            finally:
-                del loop.call_soon_threadsafe
+            async with anyio.create_task_group() as tg:
+                for k in range(200):
+                    tg.start_soon(w.submit, insert(k))
             assert w.stats.writes == 200 and w.stats.splits == 0
-            assert 1 <= posts <= w.stats.commits < 200  # batches the loop was late for: shared
+            # batches the loop was late for: shared
+            assert 1 <= w.stats.hand_backs <= w.stats.commits < 200
         assert committed(tmp_path / "w.db") == 200
 
     async def test_batches_committed_while_the_loop_is_busy_share_one_wake(
         self, tmp_path: Path
     ) -> None:
         """Batches committed before the loop takes the first reach it with that one wake-up."""
-        loop = asyncio.get_running_loop()
-        posts = 0
-        real = loop.call_soon_threadsafe
-
-        def counted(*args: Any, **kwargs: Any) -> asyncio.Handle:
-            nonlocal posts
-            posts += 1
-            return real(*args, **kwargs)
-
         db = tmp_path / "w.db"
         async with writer(db) as (w, _):
-            loop.call_soon_threadsafe = counted  # type: ignore[method-assign,assignment]
-            try:
-                # A write that runs alone ends a batch: ten batches, taken one after another.
-                waiters = []
-                for k in range(10):
-                    waiters.append(asyncio.ensure_future(w.submit(insert(k))))
-                    waiters.append(asyncio.ensure_future(w.call(lambda _: None)))
-                await asyncio.sleep(0)  # each waiter queues its write
-                deadline = time.monotonic() + CEILING_S
-                # Blocking the loop on purpose, until all 20 batches are done and posted.
-                while len(w._posts) < 20 and time.monotonic() < deadline:
-                    time.sleep(0.005)  # noqa: ASYNC251 - the point is that the loop does not run
-                assert committed(db) == 10
-                await asyncio.gather(*waiters)
-            finally:
-                del loop.call_soon_threadsafe
-            assert posts == 1
-            assert w.stats.writes == 10
+            await w.submit(insert(-1))  # the thread has started and posted once
+            before = w.stats.hand_backs
+            # A write that runs alone ends a batch: ten batches, taken one after another.
+            waiters = []
+            for k in range(10):
+                waiters.append(asyncio.ensure_future(w.submit(insert(k))))
+                waiters.append(asyncio.ensure_future(w.call(lambda _: None)))
+            await asyncio.sleep(0)  # each waiter queues its write
+            deadline = time.monotonic() + CEILING_S
+            # Blocking the loop on purpose, until all 20 batches are done and posted.
+            while len(w._posts) < 20 and time.monotonic() < deadline:
+                time.sleep(0.005)  # noqa: ASYNC251 - the point is that the loop does not run
+            assert committed(db) == 11
+            await asyncio.gather(*waiters)
+            assert w.stats.hand_backs == before + 1
+            assert w.stats.writes == 11
 
     async def test_commits_while_the_loop_is_blocked(self, tmp_path: Path) -> None:
         """Writes queued before the loop blocks are committed meanwhile: batches need no loop turn."""
@@ -216,6 +194,14 @@ class TestThread:
         crashed = [e for e in logs if e["event"] == "store_writer_crashed"]
         assert len(crashed) == 1 and crashed[0]["log_level"] == "error"
         assert crashed[0]["error"] == "Boom: kaput"
+
+    async def test_close_leaves_no_pipe_open(self, tmp_path: Path) -> None:
+        """The pipe the thread wakes the loop with is closed once the writer stopped."""
+        before = set(os.listdir("/proc/self/fd"))
+        for _ in range(5):
+            async with writer(tmp_path / "w.db") as (w, _):
+                await w.submit(insert(1))
+        assert set(os.listdir("/proc/self/fd")) <= before
 
     async def test_close_drains_and_joins(self, tmp_path: Path) -> None:
         """close() commits what is queued, ends the thread and refuses new writes."""
