@@ -194,3 +194,45 @@ def iso_time(stamp: float) -> str:
     if micros:
         return text + str(1_000_000 + micros)[1:] + "Z"
     return text[:-1] + "Z"  # isoformat drops a zero fraction
+
+
+def stamped(batch: list[Record], levels: dict[str, str]) -> list[EventDict]:
+    """Return the batch's event dicts with their context merged, time and level added.
+
+    What merge_context and iso_time do for one record, for a whole batch in one frame: two
+    calls less per record on a thread that holds the GIL the loop wants. `levels` names the
+    level of the methods that are not levels themselves.
+    """
+    dicts: list[EventDict] = []
+    append = dicts.append
+    get_level = levels.get
+    second, text = _second[0]
+    for method, event_dict, context, stamp in batch:
+        for var, value in context.items():
+            key = _key_get(var)
+            if key is None:
+                if var in _keys:
+                    continue
+                key = _key_of(var)
+                if key is None:
+                    continue
+            if value is not Ellipsis:  # Ellipsis: unbound
+                event_dict.setdefault(key, value)
+        fraction, whole = _modf(stamp)
+        micros = round(fraction * 1e6)
+        if micros >= 1_000_000:
+            micros, whole = micros - 1_000_000, whole + 1.0
+        elif micros < 0:
+            micros, whole = micros + 1_000_000, whole - 1.0
+        if second != whole:
+            second, text = whole, time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(whole))
+            _second[0] = (second, text)
+        event_dict["timestamp"] = (
+            text + str(1_000_000 + micros)[1:] + "Z" if micros else text[:-1] + "Z"
+        )
+        event_dict["level"] = get_level(method, method)
+        append(event_dict)
+    return dicts
+
+
+_modf = math.modf

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import aiosqlite
 import anyio
+import msgspec
 import structlog
 
 from daemon.clock import get_clock
@@ -81,15 +82,12 @@ class _Create:
     history: builtins.list[tuple[Any, ...]]
 
 
-@dataclass(slots=True)
-class _Update:
-    """One UPDATE of a workflow row (ending in `updated_at`, `history_seq`, `id`) and its rows."""
-
-    wid: str
-    params: tuple[Any, ...]
-    #: INSERT_HISTORY_AT's parameters: (how far below the new counter, at, kind, detail, id).
-    history: builtins.list[tuple[Any, ...]]
-    inbox: builtins.list[tuple[int]]
+#: One UPDATE of a workflow row (its parameters ending in `updated_at`, `history_seq`, `id`):
+#: (id, parameters, INSERT_HISTORY_AT's rows, inbox rows to drop). A tuple, not a class: the
+#: loop builds one per checkpoint and the writer thread only indexes it.
+_Update = tuple[str, tuple[Any, ...], builtins.list[tuple[Any, ...]], builtins.list[tuple[int]]]
+#: Shared by the updates that have no history or no inbox rows (never changed).
+_NONE: builtins.list[Any] = []
 
 
 def _connect_writer(path: Path, pragmas: str) -> sqlite3.Connection:
@@ -127,6 +125,7 @@ class SQLiteStore(Reads):
             sql: functools.partial(self._update_many, sql)
             for sql in (schema.CHECKPOINT, schema.SET_STATUS, schema.ADD_HISTORY)
         }
+        self._checkpoints = self._many[schema.CHECKPOINT]
         self._creates: ApplyMany = self._create_many  # one bound method, kept: compared by identity
         self._drop_inbox = statement(DROP_INBOX)
         self._drop_hook_runs = statement(DROP_HOOK_RUN)
@@ -197,15 +196,16 @@ class SQLiteStore(Reads):
         await self._writes.submit_many(self._many[sql], _update_of(wid, head, history, done))
 
     def _update_one(self, conn: sqlite3.Connection, sql: str, u: _Update) -> None:
-        row = conn.execute(sql, u.params).fetchone()  # the rowcount check, without a SELECT
+        wid, params, history, inbox = u
+        row = conn.execute(sql, params).fetchone()  # the rowcount check, without a SELECT
         if row is None:
-            raise WorkflowNotFound(f"no workflow {u.wid!r}")
-        if u.history:
-            conn.executemany(INSERT_HISTORY_AT, u.history)
+            raise WorkflowNotFound(f"no workflow {wid!r}")
+        if history:
+            conn.executemany(INSERT_HISTORY_AT, history)
             if row[0] > self._keep:
-                conn.execute(schema.TRIM_HISTORY, (u.wid, row[0] - self._keep))
-        if u.inbox:
-            conn.executemany(DROP_INBOX, u.inbox)
+                conn.execute(schema.TRIM_HISTORY, (wid, row[0] - self._keep))
+        if inbox:
+            conn.executemany(DROP_INBOX, inbox)
 
     def _update_many(
         self, sql: str, conn: sqlite3.Connection, updates: builtins.list[_Update]
@@ -224,17 +224,17 @@ class SQLiteStore(Reads):
         while start < len(updates):
             seen: set[str] = set()
             end = start
-            while end < len(updates) and updates[end].wid not in seen:
-                seen.add(updates[end].wid)
+            while end < len(updates) and updates[end][0] not in seen:
+                seen.add(updates[end][0])
                 end += 1
             run = updates[start:end] if start or end < len(updates) else updates
-            if conn.executemany(plain, [u.params for u in run]).rowcount != len(run):
+            if conn.executemany(plain, [u[1] for u in run]).rowcount != len(run):
                 raise WorkflowNotFound("a batched update missed its workflow")
-            history = [r for u in run for r in u.history]
+            history = [r for u in run for r in u[2]]
             if history:
                 conn.executemany(INSERT_HISTORY_AT, history)
-                conn.execute(TRIM_HISTORY_MANY, (schema.to_json([u.wid for u in run]), self._keep))
-            inbox = [i for u in run for i in u.inbox]
+                conn.execute(TRIM_HISTORY_MANY, (schema.to_json([u[0] for u in run]), self._keep))
+            inbox = [i for u in run for i in u[3]]
             if inbox:
                 conn.executemany(DROP_INBOX, inbox)
             start = end
@@ -304,8 +304,29 @@ class SQLiteStore(Reads):
         inbox_done: Sequence[int] = (),
     ) -> None:
         """Save data, state and status, append history and drop applied inbox rows, atomically."""
-        head = (status, data, state, error, attempt, next_run_at)
-        await self._update(workflow_id, schema.CHECKPOINT, head, history, inbox_done)
+        # The hot path of every step, flat: the update is built here and the write awaited
+        # here (what _update and _update_of do, less two coroutine frames and two calls).
+        now = get_clock().now()
+        n = len(history)
+        if n == 1:
+            ((kind, detail),) = history
+            rows = [(0, now, kind, _encode(detail).decode(), workflow_id)]
+        elif n:
+            rows = _history_rows(workflow_id, now, history)
+        else:
+            rows = _NONE
+        w = self._writes.put_many(
+            self._checkpoints,
+            (
+                workflow_id,
+                (status, data, state, error, attempt, next_run_at, now, n, workflow_id),
+                rows,
+                [(i,) for i in inbox_done] if inbox_done else _NONE,
+            ),
+        )
+        await w
+        if w.error is not None:
+            raise w.error
 
     async def set_status(
         self,
@@ -330,8 +351,12 @@ class SQLiteStore(Reads):
         self, workflow_id: str, event: str, input: Any, *, thread_id: str = "", pc: int = 0
     ) -> int:
         """Record a callback durably and return its inbox id."""
-        params = (workflow_id, event, thread_id, pc, schema.to_json(input), get_clock().now())
-        inbox_id: int = await self._writes.submit_many(self._inbox_puts, params)
+        params = (workflow_id, event, thread_id, pc, _encode(input).decode(), get_clock().now())
+        w = self._writes.put_many(self._inbox_puts, params)  # flat: one per callback
+        await w
+        if w.error is not None:
+            raise w.error
+        inbox_id: int = w.value
         return inbox_id
 
     @staticmethod
@@ -590,7 +615,10 @@ class SQLiteStore(Reads):
 
     async def hooks_done(self, hook_ids: Sequence[int]) -> None:
         """Forget endings whose hooks ran (or that have none)."""
-        await self._writes.submit_many(self._drop_hook_runs, [(i,) for i in hook_ids])
+        w = self._writes.put_many(self._drop_hook_runs, [(i,) for i in hook_ids])  # one per end
+        await w
+        if w.error is not None:
+            raise w.error
 
     # -- recovery of sleeping workflows (reads only) ----------------------------------------
 
@@ -619,13 +647,23 @@ class SQLiteStore(Reads):
 def _update_of(wid: str, head: tuple[Any, ...], history: History, done: Sequence[int]) -> _Update:
     """Build an update's parameters and rows, whole, on the caller's side."""
     now = get_clock().now()
+    rows = _history_rows(wid, now, history) if history else _NONE
+    params = (*head, now, len(history), wid) if head else (len(history), wid)
+    return (wid, params, rows, [(i,) for i in done] if done else _NONE)
+
+
+def _history_rows(wid: str, now: float, history: History) -> builtins.list[tuple[Any, ...]]:
+    """Return INSERT_HISTORY_AT's rows for `history`, the last one right at the new counter."""
     n = len(history)
-    rows = [
-        (n - 1 - i, now, kind, schema.to_json(detail), wid)
+    return [
+        (n - 1 - i, now, kind, _encode(detail).decode(), wid)
         for i, (kind, detail) in enumerate(history)
     ]
-    params = (*head, now, n, wid) if head else (n, wid)
-    return _Update(wid, params, rows, [(i,) for i in done])
+
+
+#: The encoder schema.to_json uses (the same default settings), called straight: one call less
+#: per history entry.
+_encode = msgspec.json.Encoder().encode
 
 
 def _in_chunks(conn: sqlite3.Connection, sql: str, keys: Sequence[str]) -> builtins.list[Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sqlite3
 import threading
 import time
@@ -37,6 +38,7 @@ class StoreStats:
     writes: int = 0  #: write requests committed
     splits: int = 0  #: failed batches retried one request per transaction
     wakes: int = 0  #: times a write woke the idle writer thread
+    hand_backs: int = 0  #: times the writer thread woke the loop (batches ride along)
 
     def batch(self, size: int, failed: int, commits: int, split: bool) -> None:
         """Count one batch written in `commits` transactions; a split batch is logged."""
@@ -47,22 +49,28 @@ class StoreStats:
             log.warning("store_batch_split", batch=size, failed=failed)
 
 
-@dataclass(slots=True, eq=False)
-class _Write:
+class _Write(asyncio.Future[None]):
+    """A queued write, and the future its caller awaits: one object per write, not two.
+
+    The writer thread fills in `value` or `error`; the loop then sets the future's result
+    (None: the outcome is read from the write, so an error nobody awaits is never logged as
+    unretrieved). A cancelled caller cancels it, so the loop checks `done()` first.
+    """
+
+    __slots__ = ("alone", "apply", "error", "item", "many", "value")
     apply: Apply | None
     many: ApplyMany | None
     item: Any
-    #: A bare loop future, not an anyio.Event: this is made once per write and anyio looks its
-    #: backend up on every Event it makes. A cancelled waiter cancels it, so check `done()`.
-    done: asyncio.Future[None]
-    alone: bool = False  #: run outside any transaction (a PRAGMA, a probe), never batched
-    result: Any = None
-    error: BaseException | None = None
+    alone: bool  #: run outside any transaction (a PRAGMA, a probe), never batched
+    value: Any  #: what the write returned (`result` is the future's own method)
+    error: BaseException | None
 
-    def finish(self) -> None:
-        """Wake the waiter, unless it was cancelled."""
-        if not self.done.done():
-            self.done.set_result(None)
+
+def _finish(batch: list[_Write]) -> None:
+    """Wake every waiter of `batch` that was not cancelled."""
+    for w in batch:
+        if not w.done():
+            w.set_result(None)
 
 
 def _apply(conn: sqlite3.Connection, batch: list[_Write]) -> list[Any]:
@@ -98,27 +106,27 @@ def _transaction(conn: sqlite3.Connection, batch: list[_Write]) -> None:
                 conn.execute("ROLLBACK")
         raise
     for w, result in zip(batch, results, strict=True):
-        w.result = result
+        w.value = result
 
 
-def _commit_batch(conn: sqlite3.Connection, batch: list[_Write]) -> tuple[int, bool]:
+def _commit_batch(conn: sqlite3.Connection, batch: list[_Write]) -> tuple[int, int, bool]:
     """Commit `batch` in one transaction, or each write alone if that fails.
 
-    Return the number of commits and whether the batch was split.
+    Return the number of commits, of writes that failed and whether the batch was split.
     """
     try:
         conn.execute("BEGIN IMMEDIATE")
     except Exception as e:  # noqa: BLE001 - busy or broken: no request to blame, none retried
         for w in batch:
             w.error = e
-        return 0, False
+        return 0, len(batch), False
     try:
         _transaction(conn, batch)
-        return 1, False
+        return 1, 0, False
     except Exception as e:  # noqa: BLE001 - every caller gets its own error below
         if len(batch) == 1:
             batch[0].error = e
-            return 0, False
+            return 0, 1, False
     commits = 0
     for w in batch:
         try:
@@ -127,13 +135,13 @@ def _commit_batch(conn: sqlite3.Connection, batch: list[_Write]) -> tuple[int, b
             commits += 1
         except Exception as e:  # noqa: BLE001 - the caller re-raises it as is
             w.error = e
-    return commits, True
+    return commits, len(batch) - commits, True
 
 
 def _run_alone(conn: sqlite3.Connection, w: _Write) -> None:
     try:
         assert w.apply is not None
-        w.result = w.apply(conn)
+        w.value = w.apply(conn)
     except Exception as e:  # noqa: BLE001 - the caller re-raises it as is
         w.error = e
 
@@ -163,9 +171,13 @@ class GroupWriter:
         self._metrics = metrics
         self._conn = conn
         self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
+        # The idle thread blocks acquiring the bell; the one write that finds it idle rings
+        # it (releases it). A bare lock costs a waker one C call, where a Condition's notify
+        # and wait cost a dozen Python calls and a new lock per wait.
+        self._bell = threading.Lock()
+        self._bell.acquire()
         self._queue: deque[_Write] = deque()
-        self._idle = False  # the thread waits on `_wake`: only then does a write notify it
+        self._idle = False  # the thread waits on the bell: only then does a write ring it
         self._closing = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -175,6 +187,10 @@ class GroupWriter:
         self._posts_lock = threading.Lock()
         self._posts: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
         self._posts_due = False  # a _run_posts is on its way to the loop
+        # The thread wakes the loop with one byte on a pipe of its own, which the loop watches
+        # (add_reader): one C call in the thread, where call_soon_threadsafe is eight Python
+        # calls, a Handle and a context copy, plus the loop's own self-pipe reader.
+        self._wake_r = self._wake_w = -1
 
     @property
     def closed(self) -> bool:
@@ -185,6 +201,10 @@ class GroupWriter:
         """Start the writer thread, which posts its results to the running event loop."""
         self._loop = asyncio.get_running_loop()
         self._stopped = self._loop.create_future()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._loop.add_reader(self._wake_r, self._run_posts)
         self._thread = threading.Thread(target=self._main, name="workflowd-writer", daemon=True)
         self._thread.start()
 
@@ -192,7 +212,7 @@ class GroupWriter:
         """Commit what is queued, then stop the thread and wait for it to end."""
         with self._lock:
             self._closing = True
-            self._wake.notify()
+            self._ring()
         if self._stopped is None:  # never started: nothing was committed
             self._ended()
             return
@@ -203,35 +223,60 @@ class GroupWriter:
 
     async def submit(self, apply: Apply) -> Any:
         """Queue one write and return its result once it is committed (or raise its error)."""
-        return await self._queued(_Write(apply, None, None, self._future()))
+        return await self._outcome(self._put(apply, None, None, False))
 
     async def submit_many(self, many: ApplyMany, item: Any) -> Any:
         """Queue one write applied with `many` together with its neighbours of the same kind.
 
         `many` must be the same object each time for writes to be grouped.
         """
-        return await self._queued(_Write(None, many, item, self._future()))
+        return await self._outcome(self._put(None, many, item, False))
 
-    async def call(self, fn: Apply) -> Any:
-        """Run `fn` on the writer's connection between batches, outside any transaction."""
-        return await self._queued(_Write(fn, None, None, self._future(), alone=True))
+    def put_many(self, many: ApplyMany, item: Any) -> _Write:
+        """Queue what `submit_many` queues, and return the write to await at once.
 
-    def _future(self) -> asyncio.Future[None]:
+        Await it, then raise its `error` if it has one, else take its `value`: the flat path
+        of a caller that would otherwise add a coroutine frame per write.
+        """
+        # _put, inline: this is every checkpoint's way in.
         if self._closing:
             raise Unavailable("the store is closed")
-        return asyncio.get_running_loop().create_future()
-
-    async def _queued(self, w: _Write) -> Any:
+        w = _Write(loop=self._loop or asyncio.get_running_loop())
+        w.apply, w.many, w.item, w.alone, w.value, w.error = None, many, item, False, None, None
         with self._lock:
             self._queue.append(w)
             if self._idle:
-                self._idle = False
-                self.stats.wakes += 1
-                self._wake.notify()
-        await w.done
+                self._ring()
+        return w
+
+    async def call(self, fn: Apply) -> Any:
+        """Run `fn` on the writer's connection between batches, outside any transaction."""
+        return await self._outcome(self._put(fn, None, None, True))
+
+    def _put(self, apply: Apply | None, many: ApplyMany | None, item: Any, alone: bool) -> _Write:
+        if self._closing:
+            raise Unavailable("the store is closed")
+        w = _Write(loop=self._loop or asyncio.get_running_loop())
+        w.apply, w.many, w.item, w.alone, w.value, w.error = apply, many, item, alone, None, None
+        with self._lock:
+            self._queue.append(w)
+            if self._idle:
+                self._ring()
+        return w
+
+    def _ring(self) -> None:
+        """Wake the idle thread (under `_lock`); a busy one looks at the queue before idling."""
+        if self._idle:
+            self._idle = False
+            self.stats.wakes += 1
+            self._bell.release()
+
+    @staticmethod
+    async def _outcome(w: _Write) -> Any:
+        await w
         if w.error is not None:
             raise w.error
-        return w.result
+        return w.value
 
     # -- the thread -------------------------------------------------------------------------
 
@@ -255,34 +300,44 @@ class GroupWriter:
         finally:
             with contextlib.suppress(sqlite3.Error):
                 self._conn.close()
-            self._post(self._ended)
+            if not self._post(self._ended):  # the loop is gone: nobody else closes the pipe
+                for fd in (self._wake_r, self._wake_w):
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                self._wake_r = self._wake_w = -1
 
     def _serve(self) -> None:
         """Commit batches until closed and drained."""
         conn = self._conn
+        queue = self._queue
         while True:
-            with self._lock:
-                while not self._queue:
-                    if self._closing:
-                        return
-                    self._idle = True
-                    self._wake.wait()
-                    self._idle = False
-                # Up to the next write that must run alone, which then runs by itself: what
-                # is taken is done (or failed) before anything behind it starts.
-                batch = [self._queue.popleft()]
-                if not batch[0].alone:
-                    while self._queue and not self._queue[0].alone:
-                        batch.append(self._queue.popleft())
-                self._current = batch
+            self._lock.acquire()
+            while not queue:
+                if self._closing:
+                    self._lock.release()
+                    return
+                self._idle = True
+                self._lock.release()
+                self._bell.acquire()  # rung by the write (or close) that finds us idle
+                self._lock.acquire()
+            # Up to the next write that must run alone, which then runs by itself: what
+            # is taken is done (or failed) before anything behind it starts.
+            if queue[0].alone:
+                batch = [queue.popleft()]
+            else:
+                batch = []
+                while queue and not queue[0].alone:
+                    batch.append(queue.popleft())
+            self._current = batch
+            self._lock.release()
             if batch[0].alone:
                 _run_alone(conn, batch[0])
                 posted = self._post(self._finished, batch)
             else:
                 began = time.perf_counter()
-                commits, split = _commit_batch(conn, batch)
+                commits, failed, split = _commit_batch(conn, batch)
                 took = time.perf_counter() - began
-                posted = self._post(self._committed, batch, commits, split, took)
+                posted = self._post(self._committed, batch, commits, failed, split, took)
             if not posted:
                 return
             self._current = []
@@ -292,7 +347,7 @@ class GroupWriter:
         """Run `fn(*args)` on the loop, after what was posted before; False if the loop is gone.
 
         A loop that has not yet taken the last post takes this one with it: batches committed
-        while the loop is busy cost it one wake-up (and this thread one write to its self-pipe)
+        while the loop is busy cost it one wake-up (and this thread one write to the pipe)
         between them, not one each.
         """
         loop = self._loop
@@ -302,31 +357,45 @@ class GroupWriter:
             if self._posts_due:
                 return not loop.is_closed()
             self._posts_due = True
-        try:
-            loop.call_soon_threadsafe(self._run_posts)
-            return True
-        except RuntimeError:  # the loop is closed: nobody awaits these any more
+        if loop.is_closed():  # nobody awaits these any more
             return False
+        try:
+            os.write(self._wake_w, b"\0")  # at most one byte unread: it never fills
+        except OSError:  # closed by _ended: the loop took its last post
+            return False
+        return True
 
     def _run_posts(self) -> None:
+        try:  # noqa: SIM105 - contextlib.suppress costs three calls per wake-up
+            os.read(self._wake_r, 64)  # before taking the posts: a later one writes again
+        except BlockingIOError:  # a wake-up already read, its posts taken with the last ones
+            pass
         with self._posts_lock:
             posts, self._posts = self._posts, []
             self._posts_due = False
+        if posts:
+            self.stats.hand_backs += 1
         for fn, args in posts:
             fn(*args)
 
     # -- back on the loop -------------------------------------------------------------------
 
-    def _committed(self, batch: list[_Write], commits: int, split: bool, took: float) -> None:
+    def _committed(
+        self, batch: list[_Write], commits: int, failed: int, split: bool, took: float
+    ) -> None:
         if self._metrics is not None:
             self._metrics.commit(took, len(batch))
-        self.stats.batch(len(batch), sum(w.error is not None for w in batch), commits, split)
-        self._finished(batch)
+        stats = self.stats
+        if split:
+            stats.batch(len(batch), failed, commits, split)
+        else:  # the common case, inline: one call less per batch
+            stats.commits += commits
+            stats.writes += len(batch) - failed
+        for w in batch:  # _finish, inline
+            if not w.done():
+                w.set_result(None)
 
-    @staticmethod
-    def _finished(batch: list[_Write]) -> None:
-        for w in batch:
-            w.finish()
+    _finished = staticmethod(_finish)
 
     def _crashed(self, batch: list[_Write], error: BaseException, crashes: int) -> None:
         log.error(
@@ -342,7 +411,7 @@ class GroupWriter:
                     f"the store's writer crashed ({type(error).__name__}: {error})"
                     " before this write was confirmed"
                 )
-            w.finish()
+        _finish(batch)
 
     def _ended(self) -> None:
         with self._lock:
@@ -350,9 +419,15 @@ class GroupWriter:
             left = list(self._queue)
             self._queue.clear()
         for w in [*self._current, *left]:
-            if not w.done.done():
+            if not w.done():
                 w.error = Unavailable("the store closed before this write was committed")
-                w.finish()
+                w.set_result(None)
         self._current = []
+        if self._wake_r >= 0:  # the thread has posted its last: the pipe is done with
+            assert self._loop is not None
+            self._loop.remove_reader(self._wake_r)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = -1
         if self._stopped is not None and not self._stopped.done():
             self._stopped.set_result(None)

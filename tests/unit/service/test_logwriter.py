@@ -14,7 +14,7 @@ import pytest
 import structlog
 
 from daemon.service import log as log_module
-from daemon.service.logwriter import Record, iso_time
+from daemon.service.logwriter import Record, iso_time, stamped
 
 
 class TestIsoTime:
@@ -26,6 +26,19 @@ class TestIsoTime:
         """The writer renders the call's time as TimeStamper(fmt="iso", utc=True) would."""
         when = datetime.datetime.fromtimestamp(stamp, datetime.UTC)
         assert iso_time(stamp) == when.isoformat().replace("+00:00", "Z")
+
+    def test_a_batch_is_stamped_as_timestamper_writes_each(self) -> None:
+        """The batch pass renders each record's time as iso_time does, across seconds."""
+        stamps = [1764607292.0, 1764607292.9999999, 1764607293.5, 0.25, 1764607292.000001, 5.0]
+        context = contextvars.copy_context()
+        batch: list[Record] = [("warn", {"event": "e"}, context, s) for s in stamps]
+        dicts = stamped(batch, {"warn": "warning"})
+        want = [
+            datetime.datetime.fromtimestamp(s, datetime.UTC).isoformat().replace("+00:00", "Z")
+            for s in stamps
+        ]
+        assert [d["timestamp"] for d in dicts] == want
+        assert {d["level"] for d in dicts} == {"warning"}
 
 
 class Shade(enum.Enum):

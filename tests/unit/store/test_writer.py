@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 import threading
 import time
@@ -15,10 +16,11 @@ import anyio
 import pytest
 import structlog
 
-from daemon.errors import Unavailable
+from daemon.errors import Unavailable, WorkflowNotFound
 from daemon.store.base import WorkflowRow
 from daemon.store.sqlite import SQLiteStore
 from daemon.store.writer import GroupWriter, statement
+from tests.helpers.wait import until
 
 CEILING_S = 10.0
 
@@ -82,61 +84,38 @@ def insert(k: int) -> Callable[[sqlite3.Connection], None]:
 
 class TestThread:
     async def test_one_wake_per_batch(self, tmp_path: Path) -> None:
-        """200 concurrent writes reach the loop with one call_soon_threadsafe per batch."""
-        loop = asyncio.get_running_loop()
-        posts = 0
-        real = loop.call_soon_threadsafe
-
-        def counted(*args: Any, **kwargs: Any) -> asyncio.Handle:
-            nonlocal posts
-            posts += 1
-            return real(*args, **kwargs)
-
+        """200 concurrent writes reach the loop with one wake-up per batch at most."""
         async with writer(tmp_path / "w.db") as (w, _):
-            loop.call_soon_threadsafe = counted  # type: ignore[method-assign,assignment]
-            try:
-                async with anyio.create_task_group() as tg:
-                    for k in range(200):
-                        tg.start_soon(w.submit, insert(k))
-            finally:
-                del loop.call_soon_threadsafe
+            async with anyio.create_task_group() as tg:
+                for k in range(200):
+                    tg.start_soon(w.submit, insert(k))
             assert w.stats.writes == 200 and w.stats.splits == 0
-            assert 1 <= posts <= w.stats.commits < 200  # batches the loop was late for: shared
+            # batches the loop was late for: shared
+            assert 1 <= w.stats.hand_backs <= w.stats.commits < 200
         assert committed(tmp_path / "w.db") == 200
 
     async def test_batches_committed_while_the_loop_is_busy_share_one_wake(
         self, tmp_path: Path
     ) -> None:
         """Batches committed before the loop takes the first reach it with that one wake-up."""
-        loop = asyncio.get_running_loop()
-        posts = 0
-        real = loop.call_soon_threadsafe
-
-        def counted(*args: Any, **kwargs: Any) -> asyncio.Handle:
-            nonlocal posts
-            posts += 1
-            return real(*args, **kwargs)
-
         db = tmp_path / "w.db"
         async with writer(db) as (w, _):
-            loop.call_soon_threadsafe = counted  # type: ignore[method-assign,assignment]
-            try:
-                # A write that runs alone ends a batch: ten batches, taken one after another.
-                waiters = []
-                for k in range(10):
-                    waiters.append(asyncio.ensure_future(w.submit(insert(k))))
-                    waiters.append(asyncio.ensure_future(w.call(lambda _: None)))
-                await asyncio.sleep(0)  # each waiter queues its write
-                deadline = time.monotonic() + CEILING_S
-                # Blocking the loop on purpose, until all 20 batches are done and posted.
-                while len(w._posts) < 20 and time.monotonic() < deadline:
-                    time.sleep(0.005)  # noqa: ASYNC251 - the point is that the loop does not run
-                assert committed(db) == 10
-                await asyncio.gather(*waiters)
-            finally:
-                del loop.call_soon_threadsafe
-            assert posts == 1
-            assert w.stats.writes == 10
+            await w.submit(insert(-1))  # the thread has started and posted once
+            before = w.stats.hand_backs
+            # A write that runs alone ends a batch: ten batches, taken one after another.
+            waiters = []
+            for k in range(10):
+                waiters.append(asyncio.ensure_future(w.submit(insert(k))))
+                waiters.append(asyncio.ensure_future(w.call(lambda _: None)))
+            await asyncio.sleep(0)  # each waiter queues its write
+            deadline = time.monotonic() + CEILING_S
+            # Blocking the loop on purpose, until all 20 batches are done and posted.
+            while len(w._posts) < 20 and time.monotonic() < deadline:
+                time.sleep(0.005)  # noqa: ASYNC251 - the point is that the loop does not run
+            assert committed(db) == 11
+            await asyncio.gather(*waiters)
+            assert w.stats.hand_backs == before + 1
+            assert w.stats.writes == 11
 
     async def test_commits_while_the_loop_is_blocked(self, tmp_path: Path) -> None:
         """Writes queued before the loop blocks are committed meanwhile: batches need no loop turn."""
@@ -215,6 +194,14 @@ class TestThread:
         crashed = [e for e in logs if e["event"] == "store_writer_crashed"]
         assert len(crashed) == 1 and crashed[0]["log_level"] == "error"
         assert crashed[0]["error"] == "Boom: kaput"
+
+    async def test_close_leaves_no_pipe_open(self, tmp_path: Path) -> None:
+        """The pipe the thread wakes the loop with is closed once the writer stopped."""
+        before = set(os.listdir("/proc/self/fd"))
+        for _ in range(5):
+            async with writer(tmp_path / "w.db") as (w, _):
+                await w.submit(insert(1))
+        assert set(os.listdir("/proc/self/fd")) <= before
 
     async def test_close_drains_and_joins(self, tmp_path: Path) -> None:
         """close() commits what is queued, ends the thread and refuses new writes."""
@@ -377,3 +364,79 @@ class TestStore:
                 # Three entries, two kept: numbered 1..3 and trimmed as one create alone would.
                 assert [h.detail["n"] for h in await store.history(wid)] == [1, 2]
             assert await store.history("old") == []
+
+    async def test_a_cancelled_checkpoint_is_written_once_and_its_batch_goes_on(
+        self, tmp_path: Path
+    ) -> None:
+        """A checkpoint whose caller is cancelled once queued is committed exactly once; the
+        checkpoints around it in its batch commit and wake their callers."""
+        async with SQLiteStore.open(tmp_path / "wf.db") as store:
+            await store.create(WorkflowRow("a", "Demo", "Resuming", "{}", "{}"))
+            release = threading.Event()
+            blocker = asyncio.ensure_future(
+                store._writes.call(lambda conn: release.wait(CEILING_S))
+            )
+            await asyncio.sleep(0)
+            saves = [
+                asyncio.ensure_future(
+                    store.checkpoint(
+                        "a",
+                        status="Waiting",
+                        data=f'{{"n":{n}}}',
+                        state="{}",
+                        history=[("step", {"n": n})],
+                    )
+                )
+                for n in range(3)
+            ]
+            await asyncio.sleep(0)
+            saves[1].cancel()
+            commits = store.stats.commits
+            release.set()
+            await blocker
+            await asyncio.gather(saves[0], saves[2])
+            assert saves[1].cancelled()
+            assert store.stats.commits == commits + 1 and store.stats.writes >= 3
+            got = await store.get("a")
+            assert got is not None and got.data == '{"n":2}'
+            assert [h.detail["n"] for h in await store.history("a")] == [0, 1, 2]
+
+    async def test_each_write_of_a_failed_batch_gets_its_own_outcome(self, tmp_path: Path) -> None:
+        """In a batch that fails, the checkpoint of a missing workflow raises; the others
+        commit (the batch is split) and their callers wake without an error."""
+        async with SQLiteStore.open(tmp_path / "wf.db") as store:
+            for wid in ("a", "c"):
+                await store.create(WorkflowRow(wid, "Demo", "Resuming", "{}", "{}"))
+            release = threading.Event()
+            blocker = asyncio.ensure_future(
+                store._writes.call(lambda conn: release.wait(CEILING_S))
+            )
+            await asyncio.sleep(0)
+            saves = [
+                asyncio.ensure_future(
+                    store.checkpoint(wid, status="Waiting", data='{"n":1}', state="{}")
+                )
+                for wid in ("a", "missing", "c")
+            ]
+            await asyncio.sleep(0)
+            release.set()
+            await blocker
+            outcomes = await asyncio.gather(*saves, return_exceptions=True)
+            assert outcomes[0] is None and outcomes[2] is None
+            assert isinstance(outcomes[1], WorkflowNotFound) and "missing" in str(outcomes[1])
+            assert store.stats.splits == 1
+            for wid in ("a", "c"):
+                got = await store.get(wid)
+                assert got is not None and got.data == '{"n":1}'
+            assert await store.get("missing") is None
+
+    async def test_an_idle_writer_is_woken_by_each_lone_write(self, tmp_path: Path) -> None:
+        """Writes that each find the thread idle wake it, and each is committed before its
+        caller wakes: none waits for a later write to ring the bell."""
+        db = tmp_path / "w.db"
+        async with writer(db) as (w, _):
+            for k in range(30):
+                await until(lambda: w._idle, CEILING_S)  # the thread sleeps on its bell
+                await w.submit(insert(k))
+                assert committed(db) == k + 1
+            assert w.stats.wakes >= 30
