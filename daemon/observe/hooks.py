@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import contextlib
 import os
@@ -126,7 +127,8 @@ class Hooks:
     ) -> None:
         self._queue, self._settings, self._of_type = queue, settings, of_type
         self._slots = anyio.Semaphore(max_running)
-        self._wake = anyio.Event()
+        # asyncio's event, not anyio's: it is set at every ending, and made after every drain.
+        self._wake = asyncio.Event()
         self._after = 0
         #: The last drain found endings and none had a hook: the next one gathers first.
         self._gather = False
@@ -139,7 +141,7 @@ class Hooks:
         """Work through the queue whenever woken; hooks run as tasks of `tg`. Never raises."""
         failures = 0
         while True:
-            self._wake = anyio.Event()  # before reading: a wake meanwhile is not lost
+            self._wake = asyncio.Event()  # before reading: a wake meanwhile is not lost
             try:
                 await self.drain(tg)
             except Exception as e:  # noqa: BLE001 - e.g. the store is locked: retry with backoff

@@ -220,6 +220,12 @@ class Metrics:
         """Count schedule fires: `fired`, `caught_up`, `manual`, `skipped`, `buffered`, `failed`."""
         self._fires.add((schedule, outcome), n)
 
+    def schedule_fires(self, fires: list[tuple[str, str]]) -> None:
+        """Count one fire each of many (schedule, outcome) pairs (one call for a batch)."""
+        add = self._fires.add
+        for key in fires:
+            add(key, 1)
+
     # -- scraping ---------------------------------------------------------------------------
 
     def set_snapshot(

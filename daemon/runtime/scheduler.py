@@ -99,7 +99,9 @@ class Scheduler:
 
     def submit(self, workflow_id: str, item: Item) -> None:
         """Queue work for a workflow, starting its actor if it has none."""
-        if self.hold.park(workflow_id, item):
+        hold = self.hold
+        # Nothing held (the common case): no call to find that out.
+        if (hold.busy or hold.held or hold.incompatible) and hold.park(workflow_id, item):
             return
         actor = self._actors.get(workflow_id)
         if actor is None:

@@ -121,6 +121,9 @@ def test_plain_counters_render_as_the_library_would() -> None:
         for schedule, outcome, n in (("b", "skipped", 3), ("b", "fired", 1), ("a", "fired", 2)):
             m.schedule_fire(schedule, outcome, n)
             fires.labels(schedule, outcome).inc(n)
+        m.schedule_fires([("a", "fired"), ("c", "fired")])
+        fires.labels("a", "fired").inc()
+        fires.labels("c", "fired").inc()
         ours = m.render().decode()
         theirs = generate_latest(r).decode()
     for family in theirs.split("# HELP ")[1:]:
