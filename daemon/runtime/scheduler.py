@@ -96,6 +96,9 @@ class Scheduler:
                     # awaits in a `finally` is told again (a cancel scope of its own each
                     # would cost every actor more than its task does).
                     await asyncio.wait(list(self._tasks.values()), timeout=RECANCEL_S)
+                    # One cancelled before its first turn never ran `_run`, nor its cleanup.
+                    for wid in [wid for wid, task in self._tasks.items() if task.done()]:
+                        self._forget(wid)
 
     def submit(self, workflow_id: str, item: Item) -> None:
         """Queue work for a workflow, starting its actor if it has none."""
@@ -147,17 +150,21 @@ class Scheduler:
             try:
                 await actor.run()
             finally:
-                # Both before anything below may submit: a new actor for it gets a new task.
-                del self._actors[wid]
-                del self._tasks[wid]
-                actor.done.set()
-                if self.on_exit is not None:
-                    loaded = self._cache.get(wid)
-                    self.on_exit(wid, loaded.state.status.value if loaded else None)
-                if not self._actors:
-                    self._idle.set()
+                self._forget(wid)
         except Exception as error:  # noqa: BLE001 - handed to `run`, which re-raises it
             self._crashed(wid, error)
+
+    def _forget(self, workflow_id: str) -> None:
+        """Drop an ended actor and its task, and say that it exited."""
+        # Both before anything below may submit: a new actor for it gets a new task.
+        actor = self._actors.pop(workflow_id)
+        del self._tasks[workflow_id]
+        actor.done.set()
+        if self.on_exit is not None:
+            loaded = self._cache.get(workflow_id)
+            self.on_exit(workflow_id, loaded.state.status.value if loaded else None)
+        if not self._actors:
+            self._idle.set()
 
     def running(self, workflow_id: str) -> bool:
         """Tell whether the workflow has an actor now."""
