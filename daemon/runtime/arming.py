@@ -437,7 +437,7 @@ class Arms:
                 try:
                     fire(CallbackRequest(*key), {"deadline": due, "fired_at": now})
                 except BaseException:
-                    # Still armed: the supervisor tries this timer again after its backoff.
+                    # Still armed: it is tried again after the backoff.
                     heapq.heappush(heap, entry)
                     raise
                 del armed[key]
