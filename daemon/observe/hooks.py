@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import contextlib
 import os
@@ -31,6 +32,9 @@ MAX_RUNNING = 4
 #: Endings read from the queue at a time.
 PAGE = 100
 RETRY_MAX_S = 60.0
+#: How long endings are gathered before the queue is read while no ending has a hook to run:
+#: each then costs its share of one read and one delete, not a read and a delete of its own.
+GATHER_S = 0.25
 
 
 @dataclass(slots=True)
@@ -123,8 +127,11 @@ class Hooks:
     ) -> None:
         self._queue, self._settings, self._of_type = queue, settings, of_type
         self._slots = anyio.Semaphore(max_running)
-        self._wake = anyio.Event()
+        # asyncio's event, not anyio's: it is set at every ending, and made after every drain.
+        self._wake = asyncio.Event()
         self._after = 0
+        #: The last drain found endings and none had a hook: the next one gathers first.
+        self._gather = False
 
     def wake(self) -> None:
         """Say that a workflow ended: the queue has a new row."""
@@ -134,7 +141,7 @@ class Hooks:
         """Work through the queue whenever woken; hooks run as tasks of `tg`. Never raises."""
         failures = 0
         while True:
-            self._wake = anyio.Event()  # before reading: a wake meanwhile is not lost
+            self._wake = asyncio.Event()  # before reading: a wake meanwhile is not lost
             try:
                 await self.drain(tg)
             except Exception as e:  # noqa: BLE001 - e.g. the store is locked: retry with backoff
@@ -148,12 +155,19 @@ class Hooks:
                 log.info("task_recovered", task="hooks", failures=failures)
                 failures = 0
             await self._wake.wait()
+            if self._gather:
+                # Nothing to run lately (no hook configured for what ended): the endings of
+                # the next moment are read and forgotten together. Once one has a hook, each
+                # ending is read as it comes again.
+                await anyio.sleep(GATHER_S)
 
     async def drain(self, tg: anyio.abc.TaskGroup) -> None:
         """Start the hooks of every queued ending not yet seen."""
+        seen = ran = False
         while rows := await self._queue.hooks_pending(after=self._after, limit=PAGE):
             settings = self._settings()
             nothing: list[int] = []
+            seen = True
             for row in rows:
                 self._after = row.id
                 if row.started_at is not None:
@@ -170,11 +184,14 @@ class Hooks:
                 if not argv:
                     nothing.append(row.id)
                     continue
+                ran = True
                 # A slot first: the queue, not a crowd of waiting tasks, holds the backlog.
                 await self._slots.acquire()
                 tg.start_soon(self._run_one, row, argv, settings.timeout_s)
             if nothing:
                 await self._queue.hooks_done(nothing)
+        if seen:
+            self._gather = not ran
 
     def _argv(self, row: HookRow, settings: HookSettings) -> Sequence[str]:
         own = self._of_type(row.workflow, row.status)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import math
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
@@ -13,12 +15,12 @@ import anyio.lowlevel
 import msgspec
 import structlog
 
-from daemon.clock import Clock
+from daemon.clock import Clock, SystemClock
 from daemon.core.definition import Definable, Definition
 from daemon.core.handler import CallbackRequest, Deliver, Handler
 from daemon.core.state import FINAL_STATUSES, EventStatus, State
 from daemon.observe.metrics import Metrics
-from daemon.runtime.supervise import supervise
+from daemon.runtime.supervise import RETRY_INITIAL_S, RETRY_MAX_S, supervise
 
 log = structlog.get_logger()
 
@@ -99,6 +101,14 @@ class Arms:
         self._local: set[Key] = set()
         self._sleep: anyio.CancelScope | None = None  # the timer loop's current sleep
         self._sleeping_until = math.inf
+        # The flat path (the system clock): one loop callback due at the earliest deadline,
+        # moved when an earlier timer is armed; no task wakes, no sleep or scope per wake.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._handle: asyncio.Handle | None = None
+        #: When `_handle` is due (epoch seconds); -inf while it is a batch's next turn or a
+        #: retry's backoff, which an earlier timer does not cut short.
+        self._handle_due = math.inf
+        self._failures = 0
 
     def __len__(self) -> int:
         return len(self._timers) + len(self._listeners)
@@ -237,8 +247,11 @@ class Arms:
                 self._index(key)
             else:
                 by_workflow[key[0]] = key
-        if self._sleep is not None and heap and heap[0][0] < self._sleeping_until:
-            self._sleep.cancel()
+        if heap:
+            if heap[0][0] < self._handle_due and self._loop is not None:
+                self._call_at_earliest()
+            elif self._sleep is not None and heap[0][0] < self._sleeping_until:
+                self._sleep.cancel()
 
     def disarm(self, key: Key) -> None:
         """Stop a timer or cancel a listen task; a listener that is delivering may finish.
@@ -317,7 +330,70 @@ class Arms:
 
     async def run_timers(self) -> None:
         """Fire every timer when its deadline passes; runs until cancelled."""
-        await supervise("timers", self._fire_due, self._until_due)
+        if type(self._clock) is SystemClock:
+            await self._run_flat()
+        else:
+            # Any other clock (a test's FakeClock) is waited on through its `sleep_until`.
+            await supervise("timers", self._fire_due, self._until_due)
+
+    async def _run_flat(self) -> None:
+        """Fire timers from one loop callback due at the earliest deadline, until cancelled.
+
+        The callback hands over a batch and returns; nothing awaits per wake. A failure is
+        retried as `supervise` retries one: logged, backed off, the timer kept armed.
+        """
+        self._loop = asyncio.get_running_loop()
+        try:
+            self._call_at_earliest()
+            await self._loop.create_future()  # held until cancelled: the callback does the work
+        finally:
+            if self._handle is not None:
+                self._handle.cancel()
+            self._loop, self._handle, self._handle_due = None, None, math.inf
+
+    def _call_at_earliest(self) -> None:
+        """(Re)schedule the callback for the earliest armed deadline (none: no callback)."""
+        loop = self._loop
+        assert loop is not None
+        if self._handle is not None:
+            self._handle.cancel()
+        heap = self._heap
+        if not heap:
+            self._handle, self._handle_due = None, math.inf
+            return
+        due = self._handle_due = heap[0][0]
+        # Wall-clock deadline onto the loop's monotonic clock, as a sleep of the rest would.
+        self._handle = loop.call_at(loop.time() + (due - time.time()), self._on_due)
+
+    def _on_due(self) -> None:
+        """Hand over one batch of due timers; then the next batch's turn or the next deadline."""
+        loop = self._loop
+        if loop is None:
+            return  # stopped meanwhile
+        self._handle, self._handle_due = None, math.inf
+        try:
+            more = self._fire_batch(self._clock.now())
+        except Exception as e:  # noqa: BLE001 - the timers must never stop: retried as supervise does
+            self._failures += 1
+            delay = min(RETRY_INITIAL_S * 2 ** (self._failures - 1), RETRY_MAX_S)
+            log.error(
+                "task_failed",
+                task="timers",
+                error=f"{type(e).__name__}: {e}",
+                failures=self._failures,
+                retry_in_s=delay,
+            )
+            self._handle, self._handle_due = loop.call_later(delay, self._on_due), -math.inf
+            return
+        if self._failures:
+            log.info("task_recovered", task="timers", failures=self._failures)
+            self._failures = 0
+        if more:
+            # The next batch after one loop turn: what this one handed over runs first, and
+            # the socket is read.
+            self._handle, self._handle_due = loop.call_soon(self._on_due), -math.inf
+        else:
+            self._call_at_earliest()
 
     async def _until_due(self) -> None:
         """Return once the earliest timer is due, or a new timer may be earlier.
@@ -339,25 +415,39 @@ class Arms:
 
         No task and no await per timer; a loop turn after every FIRE_BATCH of them.
         """
-        now, heap, armed, fire = self._clock.now(), self._heap, self._timers, self._fire
-        metrics, handed = self._metrics, 0
-        while heap and heap[0][0] <= now:
-            entry = heapq.heappop(heap)
-            due, key = entry
-            if armed.get(key) != due:
-                continue  # disarmed or re-armed since
-            try:
-                # No task and no await per timer: a burst of due timers stays cheap.
-                fire(CallbackRequest(*key), {"deadline": due, "fired_at": now})
-            except BaseException:
-                # Still armed: the supervisor tries this timer again after its backoff.
-                heapq.heappush(heap, entry)
-                raise
-            del armed[key]
-            self._unindex(key)
-            if metrics is not None:
-                metrics.timer_fired(now - due)
-            handed += 1
-            if handed % FIRE_BATCH == 0:
-                await anyio.lowlevel.checkpoint()
-                heap = self._heap  # a disarm meanwhile may have compacted it into a new list
+        now = self._clock.now()
+        while self._fire_batch(now):
+            await anyio.lowlevel.checkpoint()
+
+    def _fire_batch(self, now: float) -> bool:
+        """Hand up to FIRE_BATCH timers due by `now` over, in deadline order; True if more are.
+
+        No task and no await per timer: a burst of due timers stays cheap.
+        """
+        heap, armed, fire, by_workflow = self._heap, self._timers, self._fire, self._by_workflow
+        pop, lateness, left = heapq.heappop, [], FIRE_BATCH
+        try:
+            while heap and heap[0][0] <= now:
+                if not left:
+                    return True
+                entry = pop(heap)
+                due, key = entry
+                if armed.get(key) != due:
+                    continue  # disarmed or re-armed since
+                try:
+                    fire(CallbackRequest(*key), {"deadline": due, "fired_at": now})
+                except BaseException:
+                    # Still armed: it is tried again after the backoff.
+                    heapq.heappush(heap, entry)
+                    raise
+                del armed[key]
+                if by_workflow.get(key[0]) == key:
+                    del by_workflow[key[0]]  # its only armed wait (most are)
+                else:
+                    self._unindex(key)
+                lateness.append(now - due)
+                left -= 1
+            return False
+        finally:
+            if lateness and self._metrics is not None:
+                self._metrics.timers_fired(lateness)

@@ -403,6 +403,7 @@ class Firer:
 
         results = await self._batch.launch([f.built for f in batch.ready], create=create)
         failed = list(batch.failed)
+        counted: list[tuple[str, str]] = []
         for f, result in zip(batch.ready, results, strict=True):
             e, wid = f.entry, f.workflow_id
             if wid in written:  # even if its start failed after the write, the fire is spent
@@ -414,7 +415,7 @@ class Firer:
             if isinstance(result, Exception):
                 failed.append((e, result))
                 continue
-            self._count(e.schedule.name, f.kind)
+            counted.append((e.schedule.name, f.kind))
             log.info(
                 "schedule_fired",
                 schedule=e.schedule.name,
@@ -424,6 +425,8 @@ class Firer:
                 late_s=round(now - f.nominal, 3),
                 created=result.get("created"),
             )
+        if counted and self._metrics is not None:
+            self._metrics.schedule_fires(counted)
         return failed
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from functools import partial
 
 import anyio
 import structlog
@@ -70,13 +69,15 @@ class Scheduler:
     ) -> None:
         self._cache, self.hold, self._new_actor = cache, hold, new_actor
         self._actors: dict[str, Actor] = {}
-        #: The actors' tasks.
-        self._tasks: set[asyncio.Task[None]] = set()
+        #: The actors' tasks, by workflow id.
+        self._tasks: dict[str, asyncio.Task[None]] = {}
         #: Set to the first error an actor raised; `run` re-raises it.
         self._failed: asyncio.Future[None] | None = None
         #: Set once shutdown began: no new work is taken.
         self.stopping = False
-        self._idle = anyio.Event()
+        # asyncio's, not anyio's: one is made whenever work arrives after a quiet moment, and
+        # anyio looks its backend up for every Event it makes.
+        self._idle = asyncio.Event()
         self._idle.set()
         #: Told each workflow whose actor exited, with its status then: schedules wait on it.
         self.on_exit: Callable[[str, str | None], None] | None = None
@@ -89,16 +90,21 @@ class Scheduler:
         finally:
             with anyio.CancelScope(shield=True):
                 while self._tasks:
-                    for task in self._tasks:
+                    for task in self._tasks.values():
                         task.cancel()
                     # Cancelled again until it ends, as a cancel scope would: an actor that
                     # awaits in a `finally` is told again (a cancel scope of its own each
                     # would cost every actor more than its task does).
-                    await asyncio.wait(list(self._tasks), timeout=RECANCEL_S)
+                    await asyncio.wait(list(self._tasks.values()), timeout=RECANCEL_S)
+                    # One cancelled before its first turn never ran `_run`, nor its cleanup.
+                    for wid in [wid for wid, task in self._tasks.items() if task.done()]:
+                        self._forget(wid)
 
     def submit(self, workflow_id: str, item: Item) -> None:
         """Queue work for a workflow, starting its actor if it has none."""
-        if self.hold.park(workflow_id, item):
+        hold = self.hold
+        # Nothing held (the common case): no call to find that out.
+        if (hold.busy or hold.held or hold.incompatible) and hold.park(workflow_id, item):
             return
         actor = self._actors.get(workflow_id)
         if actor is None:
@@ -106,20 +112,14 @@ class Scheduler:
             if self._idle.is_set():
                 # Only a set event is replaced: one still awaited must be the one set later
                 # (an actor starting another's actor, as a Child's setup does).
-                self._idle = anyio.Event()
-            task = asyncio.get_running_loop().create_task(self._run(actor))
-            self._tasks.add(task)
-            task.add_done_callback(partial(self._ended, workflow_id))
+                self._idle = asyncio.Event()
+            # No done callback: `_run` itself forgets its task and reports its error.
+            self._tasks[workflow_id] = asyncio.get_running_loop().create_task(self._run(actor))
         actor.items.append(item)
         actor.notify()
 
-    def _ended(self, workflow_id: str, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if task.cancelled():
-            return
-        error = task.exception()
-        if error is None:
-            return
+    def _crashed(self, workflow_id: str, error: Exception) -> None:
+        """End `run` with an actor's error, as a task group's child would end its group."""
         if self._failed is not None and not self._failed.done():
             self._failed.set_exception(error)
         else:  # no host to end (or it ends already): said, not lost
@@ -145,16 +145,26 @@ class Scheduler:
         actor.items.extend(kept)
 
     async def _run(self, actor: Actor) -> None:
+        wid = actor.workflow_id
         try:
-            await actor.run()
-        finally:
-            del self._actors[actor.workflow_id]
-            actor.done.set()
-            if self.on_exit is not None:
-                loaded = self._cache.get(actor.workflow_id)
-                self.on_exit(actor.workflow_id, loaded.state.status.value if loaded else None)
-            if not self._actors:
-                self._idle.set()
+            try:
+                await actor.run()
+            finally:
+                self._forget(wid)
+        except Exception as error:  # noqa: BLE001 - handed to `run`, which re-raises it
+            self._crashed(wid, error)
+
+    def _forget(self, workflow_id: str) -> None:
+        """Drop an ended actor and its task, and say that it exited."""
+        # Both before anything below may submit: a new actor for it gets a new task.
+        actor = self._actors.pop(workflow_id)
+        del self._tasks[workflow_id]
+        actor.done.set()
+        if self.on_exit is not None:
+            loaded = self._cache.get(workflow_id)
+            self.on_exit(workflow_id, loaded.state.status.value if loaded else None)
+        if not self._actors:
+            self._idle.set()
 
     def running(self, workflow_id: str) -> bool:
         """Tell whether the workflow has an actor now."""

@@ -18,7 +18,7 @@ include whatever else the daemon does meanwhile, spread over the fires. At the m
 (a tenth of the burst) a fire costs several times more: a profile shows the worker, writer
 and log threads woken once per fire there, where a burst wakes them once per batch. `rearm` measures a fire with no step after it: the callback and
 the re-arm of the next timer, one commit. `own_fire` is the timer's own part alone, in
-process. The machine is shared: compare figures taken back to back, CPU rather than time.
+process (`own_fire_flat`: the same on the system clock, the daemon's path). The machine is shared: compare figures taken back to back, CPU rather than time.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from daemon.clock import FakeClock
+from daemon.clock import FakeClock, SystemClock
 from daemon.core.handler import CallbackRequest
 from daemon.runtime.arming import Arms
 from tests.helpers.client import connect
@@ -309,7 +309,38 @@ async def own_fire(n: int = OWN_FIRES) -> list[dict[str, Any]]:
         cpu = time.thread_time() - start
         tg.cancel_scope.cancel()
     ctx = {"timers": n, "how": "Arms alone, in process: heap pop and hand-over"}
-    return [_figure("own_fire_cpu_per_timer_us", round(cpu / n * 1e6, 2), None, **ctx)]
+    return [
+        _figure("own_fire_cpu_per_timer_us", round(cpu / n * 1e6, 2), None, **ctx),
+        *await _own_fire_flat(n),
+    ]
+
+
+async def _own_fire_flat(n: int) -> list[dict[str, Any]]:
+    """The same on the system clock, as a daemon fires: one loop callback per batch."""
+    fired = [0]
+
+    def fire(req: CallbackRequest, input: Any) -> None:
+        fired[0] += 1
+
+    async def submit(req: CallbackRequest, input: Any, wait: bool) -> None:
+        raise AssertionError("no listener here")
+
+    async with anyio.create_task_group() as tg:
+        arms = Arms(tg, SystemClock(), submit, lambda req, error: None, fire=fire)
+        now = time.time()
+        # Due a moment from now, all of them: armed first, then fired in one burst.
+        arms.arm_timers(
+            ((f"w{i:07d}", "_main_", "t", 1), now + 0.5 + i / n * 1e-4) for i in range(n)
+        )
+        tg.start_soon(arms.run_timers)
+        await anyio.sleep(max(0.0, now + 0.5 - time.time()))
+        start = time.thread_time()
+        while fired[0] < n:
+            await anyio.lowlevel.checkpoint()
+        cpu = time.thread_time() - start
+        tg.cancel_scope.cancel()
+    ctx = {"timers": n, "how": "Arms alone, in process, system clock: the daemon's path"}
+    return [_figure("own_fire_flat_cpu_per_timer_us", round(cpu / n * 1e6, 2), None, **ctx)]
 
 
 async def _start_bounded(d: Daemon, limit_s: float) -> float:

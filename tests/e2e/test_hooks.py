@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import signal
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,30 @@ async def test_finish_hook_and_type_hook(short_tmp: Path, hook_out: Path) -> Non
         assert [r["argv"] for r in of(hook_out, "c1")] == [["done", "Finished"]]
         assert [r["argv"] for r in of(hook_out, "s1")] == [["own", "SelfHooked", "failure"]]
         assert d.proc is not None
+
+
+async def test_endings_without_hooks_are_forgotten_and_a_hook_still_runs(
+    short_tmp: Path, hook_out: Path
+) -> None:
+    """Endings with no hook are gathered and forgotten; a later one with a hook still runs."""
+    env = {"HOOK_OUT": str(hook_out)}
+    async with running_daemon(short_tmp, MODULES, env) as d, d.client() as c:
+        for i in range(20):
+            await c.call("start", workflow="Doomed", workflow_id=f"d{i}", input={"reason": "x"})
+        for i in range(20):
+            await wait_status(c, f"d{i}", "Failed")
+
+        def left() -> int:
+            with contextlib.closing(sqlite3.connect(short_tmp / "wd.db")) as db:
+                return int(db.execute("SELECT COUNT(*) FROM hook_runs").fetchone()[0])
+
+        await until(lambda: left() == 0)
+        await c.call("start", workflow="SelfHooked", workflow_id="s1")
+        await wait_status(c, "s1", "Failed")
+        await until(lambda: len(of(hook_out, "s1")) == 1)
+        await logged(d, "hook_ran", workflow_id="s1")
+        await until(lambda: left() == 0)
+    assert [r["env"]["WORKFLOWD_WORKFLOW_ID"] for r in runs(hook_out)] == ["s1"]
 
 
 async def test_exactly_once_across_sigkill(short_tmp: Path, hook_out: Path) -> None:

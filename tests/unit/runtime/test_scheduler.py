@@ -117,6 +117,25 @@ class TestActorTasks:
             with anyio.fail_after(5):
                 await scheduler.wait_idle()
 
+    async def test_actors_cancelled_before_their_first_turn_are_forgotten(
+        self, tmp_path: Path
+    ) -> None:
+        """Work submitted just before the cancel: `run` still ends, and no actor is left."""
+        notes: list[str] = []
+        async with SQLiteStore.open(tmp_path / "wf.db") as store, Runtime.open(store, {}) as rt:
+            scheduler = _scheduler(rt, lambda **kw: Hanging(notes=notes, **kw))
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(scheduler.run)
+                    await anyio.lowlevel.checkpoint()  # `run` is hosting
+                    tg.cancel_scope.cancel()
+                    # Their first turns are queued behind `run`'s, which the cancel queued:
+                    # `run` cancels these actors' tasks before any of them has had a turn.
+                    for i in range(20):
+                        scheduler.submit(f"w{i}", Item("resume"))
+                await scheduler.wait_idle()
+            assert notes == [] and len(scheduler) == 0 and not scheduler.running("w0")
+
     async def test_an_actor_that_awaits_after_a_cancel_is_cancelled_again(
         self, tmp_path: Path
     ) -> None:
