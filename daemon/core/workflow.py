@@ -98,9 +98,7 @@ _CACHED_TYPES = 4096
 def _remember_fields(tp: type) -> tuple[str, ...] | None:
     if len(_field_names) >= _CACHED_TYPES:
         _field_names.clear()
-    names = (
-        tuple(f.name for f in dataclasses.fields(tp)) if dataclasses.is_dataclass(tp) else None
-    )
+    names = tuple(f.name for f in dataclasses.fields(tp)) if dataclasses.is_dataclass(tp) else None
     _field_names[tp] = names
     return names
 
