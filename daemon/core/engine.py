@@ -135,18 +135,26 @@ class _Inline:
     async def next(self) -> list[Done]:
         thread_id, make_fork = self.queue.popleft()
         f = make_fork(alone=True)  # forked when it runs, so it overlaps no other step
-        try:
-            if self.run_step is _run_step:  # the default: the action called here, one frame less
-                result = f.step.action()
-                if result is not None and inspect.isawaitable(result):
-                    await result
-            else:
-                await self.run_step(f.step)
-            f.finish()
-        except Exception as e:  # noqa: BLE001 - the engine raises it as StepFailed
-            f.discard()
-            return [Done(thread_id, failure=StepFailed(f.step.name, e))]
+        failure = await _run_forked(f, self.run_step)
+        if failure is not None:
+            return [Done(thread_id, failure=failure)]
         return [Done(thread_id, f)]
+
+
+async def _run_forked(f: Fork, run_step: StepRunner) -> StepFailed | None:
+    """Run a forked step to its end; return its failure (its changes undone), or None."""
+    try:
+        if run_step is _run_step:  # the default: the action is called here, one frame less
+            result = f.step.action()
+            if result is not None and inspect.isawaitable(result):
+                await result
+        else:
+            await run_step(f.step)
+        f.finish()
+    except Exception as e:  # noqa: BLE001 - the engine raises it as StepFailed
+        f.discard()
+        return StepFailed(f.step.name, e)
+    return None
 
 
 class Start:
@@ -547,10 +555,12 @@ async def resume(
     state.pc += 1
     if _due(state, TEARDOWN_DUE):
         await r.teardown()
+    stepped = started = False
+    if steps is None and len(state.threads) == 1:
+        stepped = await _lone_thread(r, state.threads[0], run_step, on_conflict)
     #: Threads whose step is in flight, and those whose step was not run (stopping).
     flight: set[str] = set()
     held: set[str] = set()
-    stepped = started = False
     # The loop's common work is inline (no call per pass): finding a runnable thread,
     # counting the transition, and seeing that no thread waits on a condition.
     while state.status not in FINAL_STATUSES:
@@ -614,6 +624,45 @@ async def resume(
         await r.setup()
     state.update_status()
     return r._defn
+
+
+async def _lone_thread(
+    r: _Resumer, t: Thread, run_step: StepRunner, on_conflict: OnConflict
+) -> bool:
+    """Run a workflow's only thread with the engine's own runner; return whether it stepped.
+
+    The general loop's passes for this case, flat: the same transitions and checkpoints in
+    the same order, without the bookkeeping of steps in flight. It returns as soon as the
+    thread blocks or another thread appears (a Go), and the general loop takes over from
+    there as from the top of one of its passes.
+    """
+    state, checkpoint, threads = r.state, r.checkpoint, r.state.threads
+    stepped = False
+    while state.status not in FINAL_STATUSES and len(threads) == 1:
+        status = t.status
+        if status is _RESUMING:
+            r.budget -= 1
+            if r.budget < 0:
+                raise r.runaway(t)
+            r.advance(t)
+            await checkpoint(_AFTER_RESUME)
+        elif status is _EXECUTING:
+            r.budget -= 1
+            if r.budget < 0:
+                raise r.runaway(t)
+            step = r.ready.pop(t.id, None) or r.step_of(t)
+            await checkpoint(_AFTER_STEP if stepped else _STEPS_STARTED)
+            f = fork(r.wf, step, alone=True)
+            failure = await _run_forked(f, run_step)
+            if failure is not None:
+                raise failure
+            for path in apply(r.wf, f):
+                on_conflict(path, f.step.name, t.id)
+            r.stepped(t)
+            stepped = True
+        else:
+            break
+    return stepped
 
 
 async def handle_callback(
