@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from enum import StrEnum
 
 import msgspec
@@ -81,8 +80,7 @@ TEARDOWN_DUE = (EventStatus.PENDING_TEARDOWN, EventStatus.TEARDOWN_ERROR)
 RELEASED = (EventStatus.SETUP, EventStatus.SETUP_ERROR)
 
 
-@dataclass(slots=True)
-class WaitEvent:
+class WaitEvent(msgspec.Struct):
     """One case of a Wait a thread blocks on."""
 
     type: str
@@ -92,8 +90,7 @@ class WaitEvent:
     error: str = ""
 
 
-@dataclass(slots=True)
-class Thread:
+class Thread(msgspec.Struct):
     """One line of execution through the definition."""
 
     id: str
@@ -101,18 +98,17 @@ class Thread:
     status: ThreadStatus = ThreadStatus.RESUMING
     cur_step: str = ""
     cur_callback: str = ""
-    wait_events: list[WaitEvent] = field(default_factory=list)
+    wait_events: list[WaitEvent] = msgspec.field(default_factory=list)
     pc: int = 0
 
 
-@dataclass(slots=True)
-class State:
+class State(msgspec.Struct):
     """The engine's durable bookkeeping for one workflow instance."""
 
     id: str
     workflow: str
     status: WorkflowStatus = WorkflowStatus.RESUMING
-    threads: list[Thread] = field(default_factory=list)
+    threads: list[Thread] = msgspec.field(default_factory=list)
     pc: int = 0
 
     @classmethod
