@@ -104,7 +104,8 @@ class Definition:
         #: Every named statement, If/Switch branch and Wait case (by its event): names are
         #: unique within a definition, so one dict indexes them all.
         self.named: dict[str, Stmt | Branch | On] = {}
-        self._index(root)
+        # The root may be any statement; a Section's statements are walked by `_walk`.
+        self._walk(root.stmts if type(root) is Section else (root,), False)
 
     def get(self, name: str, kind: type[_N]) -> _N | None:
         """Return the `kind` (e.g. Step) called `name`, or None."""
@@ -146,13 +147,6 @@ class Definition:
         if name in self.named:
             raise ValidationError(f"duplicate name {name!r} ({what})")
         self.named[name] = node
-
-    def _index(self, root: Stmt) -> None:
-        # The root may be any statement; a Section's statements are walked by `_walk`.
-        if isinstance(root, Section):
-            self._walk(root.stmts, False)
-        else:
-            self._walk((root,), False)
 
     def _walk(self, stmts: tuple[Any, ...], in_loop: bool) -> None:
         # One frame per block, not per statement: this runs on every resume (and validates).

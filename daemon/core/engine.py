@@ -653,11 +653,25 @@ async def _lone_thread(
             step = r.ready.pop(t.id, None) or r.step_of(t)
             await checkpoint(_AFTER_STEP if stepped else _STEPS_STARTED)
             f = fork(r.wf, step, alone=True)
-            failure = await _run_forked(f, run_step)
+            failure = None
+            # What `_run_forked` does, without its frame (this runs for every step).
+            try:
+                if run_step is _run_step:
+                    result = f.step.action()
+                    if result is not None and inspect.isawaitable(result):
+                        await result
+                else:
+                    await run_step(f.step)
+                if f.undo is None:  # a copy (a step with a timeout): checked, then merged
+                    f.finish()
+            except Exception as e:  # noqa: BLE001 - raised as StepFailed, as from `_Inline`
+                f.discard()
+                failure = StepFailed(f.step.name, e)
             if failure is not None:
                 raise failure
-            for path in apply(r.wf, f):
-                on_conflict(path, f.step.name, t.id)
+            if f.undo is None:
+                for path in apply(r.wf, f):
+                    on_conflict(path, f.step.name, t.id)
             r.stepped(t)
             stepped = True
         else:
