@@ -150,6 +150,7 @@ class Definition:
 
     def _walk(self, stmts: tuple[Any, ...], in_loop: bool) -> None:
         # One frame per block, not per statement: this runs on every resume (and validates).
+        # Each claim is checked inline; `_claim` is called only to accept or reject an odd one.
         named, claim = self.named, self._claim
         for s in stmts:
             kind = KIND_CODE.get(type(s)) or dispatch_entry(KIND_CODE, s)
@@ -160,13 +161,21 @@ class Definition:
                 else:
                     named[name] = s
             elif kind is WAIT:
-                claim(s.name, s, "wait")
+                name = s.name
+                if type(name) is not str or not name or name in named:
+                    claim(name, s, "wait")
+                else:
+                    named[name] = s
                 if not s.cases:
-                    raise ValidationError(f"wait {s.name!r} has no cases")
+                    raise ValidationError(f"wait {name!r} has no cases")
                 for c in s.cases:
                     if not isinstance(c, On):
-                        raise ValidationError(f"wait {s.name!r}: cases must be On(...), got {c!r}")
-                    claim(c.event, c, "event")
+                        raise ValidationError(f"wait {name!r}: cases must be On(...), got {c!r}")
+                    event = c.event
+                    if type(event) is not str or not event or event in named:
+                        claim(event, c, "event")
+                    else:
+                        named[event] = c
                     if c.body.stmts:
                         self._walk(c.body.stmts, in_loop)
             elif kind is FOR:
