@@ -8,6 +8,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import msgspec
+
 # Explicit re-exports (mypy's idiom): daemon.core.engine.Definition and .validate stay importable.
 from daemon.core.definition import (
     BRANCHING,
@@ -72,6 +74,7 @@ from daemon.errors import (
     WorkflowdError,
 )
 
+_encoder = msgspec.json.Encoder()
 # Enum members read on every transition (an Enum class attribute costs ~0.1 µs in 3.11).
 _EXECUTING, _RESUMING = ThreadStatus.EXECUTING, ThreadStatus.RESUMING
 _WAITING_EVENT, _WAITING_CONDITION = ThreadStatus.WAITING_EVENT, ThreadStatus.WAITING_CONDITION
@@ -652,26 +655,29 @@ async def _lone_thread(
                 raise r.runaway(t)
             step = r.ready.pop(t.id, None) or r.step_of(t)
             await checkpoint(_AFTER_STEP if stepped else _STEPS_STARTED)
-            f = fork(r.wf, step, alone=True)
-            failure = None
-            # What `_run_forked` does, without its frame (this runs for every step).
-            try:
-                if run_step is _run_step:
-                    result = f.step.action()
-                    if result is not None and inspect.isawaitable(result):
-                        await result
-                else:
-                    await run_step(f.step)
-                if f.undo is None:  # a copy (a step with a timeout): checked, then merged
-                    f.finish()
-            except Exception as e:  # noqa: BLE001 - raised as StepFailed, as from `_Inline`
-                f.discard()
-                failure = StepFailed(f.step.name, e)
-            if failure is not None:
-                raise failure
-            if f.undo is None:
+            if step.timeout:  # run on a copy of the data, then merged (see fork)
+                f = fork(r.wf, step, alone=True)
+                failure = await _run_forked(f, run_step)
+                if failure is not None:
+                    raise failure
                 for path in apply(r.wf, f):
                     on_conflict(path, f.step.name, t.id)
+            else:
+                # What fork(alone=True) and `_run_forked` do, without their frames and
+                # objects (this runs for every step): on the live data, undone if it fails.
+                undo, failure = _encoder.encode(r.wf), None
+                try:
+                    if run_step is _run_step:
+                        result = step.action()
+                        if result is not None and inspect.isawaitable(result):
+                            await result
+                    else:
+                        await run_step(step)
+                except Exception as e:  # noqa: BLE001 - raised as StepFailed, as from `_Inline`
+                    r.wf.restore(undo)
+                    failure = StepFailed(step.name, e)
+                if failure is not None:
+                    raise failure
             r.stepped(t)
             stepped = True
         else:
