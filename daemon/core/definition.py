@@ -179,11 +179,19 @@ class Definition:
                     if c.body.stmts:
                         self._walk(c.body.stmts, in_loop)
             elif kind is FOR:
-                claim(s.name, s, "for")
+                name = s.name
+                if type(name) is not str or not name or name in named:
+                    claim(name, s, "for")
+                else:
+                    named[name] = s
                 self._walk(s.body.stmts, True)
             elif kind is BRANCHING:
                 for b in s.branches:
-                    claim(b.name, b, "branch")
+                    name = b.name
+                    if type(name) is not str or not name or name in named:
+                        claim(name, b, "branch")
+                    else:
+                        named[name] = b
                     self._walk(b.body.stmts, in_loop)
             elif kind is SECTION:
                 self._walk(s.stmts, in_loop)

@@ -553,7 +553,6 @@ async def resume(
     """
     if state.status in FINAL_STATUSES:
         raise WorkflowdError(f"workflow {state.id} is already {state.status}")
-    runner = steps if steps is not None else _Inline(run_step)
     r = _Resumer(wf, state, checkpoint, definition)
     state.pc += 1
     if _due(state, TEARDOWN_DUE):
@@ -561,6 +560,7 @@ async def resume(
     stepped = started = False
     if steps is None and len(state.threads) == 1:
         stepped = await _lone_thread(r, state.threads[0], run_step, on_conflict)
+    runner = steps  # the engine's own made when a step first needs it
     #: Threads whose step is in flight, and those whose step was not run (stopping).
     flight: set[str] = set()
     held: set[str] = set()
@@ -582,6 +582,8 @@ async def resume(
                 raise r.runaway(t)
             if t.status is _EXECUTING:
                 step = r.ready.pop(t.id, None) or r.step_of(t)
+                if runner is None:
+                    runner = _Inline(run_step)
                 runner.start(t.id, Start(r, t, step))
                 flight.add(t.id)
                 started = True
@@ -596,6 +598,7 @@ async def resume(
         if stepped or started:
             await checkpoint(_AFTER_STEP if stepped else _STEPS_STARTED)
             stepped = started = False
+        assert runner is not None  # a step is in flight, so it was started
         for done in await runner.next():
             flight.discard(done.thread_id)
             if done.failure is not None:
