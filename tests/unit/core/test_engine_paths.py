@@ -377,3 +377,43 @@ def test_general_runner_is_a_steps() -> None:
     runner.start("t", lambda **kw: Fork(None, Step("s", print), {}))
     assert asyncio.iscoroutinefunction(runner.next)
     assert Done("t").fork is None
+
+
+class MyBreak(Break):
+    """A Break subclass."""
+
+
+class MyReturn(Return):
+    """A Return subclass."""
+
+
+@dataclass
+class SubclassedJumps(Workflow):
+    """A loop left by a Break subclass, then a thread ended by a Return subclass."""
+
+    i: int = 0
+    log: list[str] = field(default_factory=list)
+
+    def tick(self) -> None:
+        self.i += 1
+
+    def definition(self) -> Section:
+        return S(
+            For("loop", True, Step("tick", self.tick), If(self.i >= 3, "enough", MyBreak())),
+            Step("after", lambda: self.log.append("after")),
+            MyReturn(),
+            Step("never", lambda: self.log.append("never")),
+        )
+
+
+async def test_subclasses_of_break_and_return_act_like_them() -> None:
+    """A subclass of a jump statement jumps (the old cursor raised KeyError on it)."""
+
+    async def save(kind: CheckpointType) -> None:
+        return None
+
+    wf = SubclassedJumps()
+    state = State.new("w", "SubclassedJumps")
+    await resume(wf, state, save)
+    assert state.status is WorkflowStatus.FINISHED
+    assert (wf.i, wf.log) == (3, ["after"])
