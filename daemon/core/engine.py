@@ -423,8 +423,10 @@ class _Resumer:
         # Built when next needed: several steps may complete (and merge) before that. Most
         # rebuilds are only walked by a cursor, so indexing waits until a lookup needs it.
         self._root = self._defn = None
-        self.ready.clear()
-        self.cases.clear()
+        if self.ready:
+            self.ready.clear()
+        if self.cases:
+            self.cases.clear()
 
     def advance(self, t: Thread) -> None:
         """Move `t` on to where it must stop; the caller checkpoints (AFTER_RESUME)."""
