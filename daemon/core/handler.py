@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-import msgspec
 
-
-class CallbackRequest(msgspec.Struct):
+@dataclass(slots=True)
+class CallbackRequest:
     """Addresses one case of one Wait of one thread; `pc` tells iterations apart."""
 
     workflow_id: str = ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 import msgspec
@@ -80,7 +81,8 @@ TEARDOWN_DUE = (EventStatus.PENDING_TEARDOWN, EventStatus.TEARDOWN_ERROR)
 RELEASED = (EventStatus.SETUP, EventStatus.SETUP_ERROR)
 
 
-class WaitEvent(msgspec.Struct):
+@dataclass(slots=True)
+class WaitEvent:
     """One case of a Wait a thread blocks on."""
 
     type: str
@@ -90,7 +92,8 @@ class WaitEvent(msgspec.Struct):
     error: str = ""
 
 
-class Thread(msgspec.Struct):
+@dataclass(slots=True)
+class Thread:
     """One line of execution through the definition."""
 
     id: str
@@ -98,17 +101,18 @@ class Thread(msgspec.Struct):
     status: ThreadStatus = ThreadStatus.RESUMING
     cur_step: str = ""
     cur_callback: str = ""
-    wait_events: list[WaitEvent] = msgspec.field(default_factory=list)
+    wait_events: list[WaitEvent] = field(default_factory=list)
     pc: int = 0
 
 
-class State(msgspec.Struct):
+@dataclass(slots=True)
+class State:
     """The engine's durable bookkeeping for one workflow instance."""
 
     id: str
     workflow: str
     status: WorkflowStatus = WorkflowStatus.RESUMING
-    threads: list[Thread] = msgspec.field(default_factory=list)
+    threads: list[Thread] = field(default_factory=list)
     pc: int = 0
 
     @classmethod
