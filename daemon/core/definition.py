@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from daemon.core.statements import (
@@ -104,7 +104,8 @@ class Definition:
         #: Every named statement, If/Switch branch and Wait case (by its event): names are
         #: unique within a definition, so one dict indexes them all.
         self.named: dict[str, Stmt | Branch | On] = {}
-        self._index(root, in_loop=False)
+        # The root may be any statement; a Section's statements are walked by `_walk`.
+        self._walk(root.stmts if type(root) is Section else (root,), False)
 
     def get(self, name: str, kind: type[_N]) -> _N | None:
         """Return the `kind` (e.g. Step) called `name`, or None."""
@@ -140,70 +141,86 @@ class Definition:
         return self._all(On)
 
     def _claim(self, name: str, node: Stmt | Branch | On, what: str) -> None:
+        # The whole check; `_walk` inlines the usual case and calls this for the rest.
         if not isinstance(name, str) or not name:
             raise ValidationError(f"{what} needs a non-empty string name, got {name!r}")
         if name in self.named:
             raise ValidationError(f"duplicate name {name!r} ({what})")
         self.named[name] = node
 
-    def _index(self, stmt: Stmt, in_loop: bool) -> None:
-        (_INDEX.get(type(stmt)) or dispatch_entry(_INDEX, stmt))(self, stmt, in_loop)
+    def _walk(self, stmts: tuple[Any, ...], in_loop: bool) -> None:
+        # One frame per block, not per statement: this runs on every resume (and validates).
+        # Each claim is checked inline; `_claim` is called only to accept or reject an odd one.
+        named, claim = self.named, self._claim
+        for s in stmts:
+            kind = KIND_CODE.get(type(s)) or dispatch_entry(KIND_CODE, s)
+            if kind is LEAF:
+                name = s.name
+                if type(name) is not str or not name or name in named:
+                    claim(name, s, "step" if isinstance(s, Step) else "wait_for")
+                else:
+                    named[name] = s
+            elif kind is WAIT:
+                name = s.name
+                if type(name) is not str or not name or name in named:
+                    claim(name, s, "wait")
+                else:
+                    named[name] = s
+                if not s.cases:
+                    raise ValidationError(f"wait {name!r} has no cases")
+                for c in s.cases:
+                    if not isinstance(c, On):
+                        raise ValidationError(f"wait {name!r}: cases must be On(...), got {c!r}")
+                    event = c.event
+                    if type(event) is not str or not event or event in named:
+                        claim(event, c, "event")
+                    else:
+                        named[event] = c
+                    if c.body.stmts:
+                        self._walk(c.body.stmts, in_loop)
+            elif kind is FOR:
+                name = s.name
+                if type(name) is not str or not name or name in named:
+                    claim(name, s, "for")
+                else:
+                    named[name] = s
+                self._walk(s.body.stmts, True)
+            elif kind is BRANCHING:
+                for b in s.branches:
+                    name = b.name
+                    if type(name) is not str or not name or name in named:
+                        claim(name, b, "branch")
+                    else:
+                        named[name] = b
+                    self._walk(b.body.stmts, in_loop)
+            elif kind is SECTION:
+                self._walk(s.stmts, in_loop)
+            elif kind is GO:
+                claim(s.name, s, "go")
+                self._walk(s.body.stmts, False)
+            elif kind is not RETURN and not in_loop:  # Break, Continue
+                raise ValidationError(f"{type(s).__name__}() outside a For")
 
-    def _section(self, stmt: Section, in_loop: bool) -> None:
-        for s in stmt.stmts:
-            (_INDEX.get(type(s)) or dispatch_entry(_INDEX, s))(self, s, in_loop)
 
-    def _step(self, stmt: Step, in_loop: bool) -> None:
-        self._claim(stmt.name, stmt, "step")
-
-    def _branching(self, stmt: _Branching, in_loop: bool) -> None:
-        for b in stmt.branches:
-            self._claim(b.name, b, "branch")
-            self._section(b.body, in_loop)
-
-    def _for(self, stmt: For, in_loop: bool) -> None:
-        self._claim(stmt.name, stmt, "for")
-        self._section(stmt.body, True)
-
-    def _wait(self, stmt: Wait, in_loop: bool) -> None:
-        self._claim(stmt.name, stmt, "wait")
-        if not stmt.cases:
-            raise ValidationError(f"wait {stmt.name!r} has no cases")
-        for c in stmt.cases:
-            if not isinstance(c, On):
-                raise ValidationError(f"wait {stmt.name!r}: cases must be On(...), got {c!r}")
-            self._claim(c.event, c, "event")
-            self._section(c.body, in_loop)
-
-    def _wait_for(self, stmt: WaitFor, in_loop: bool) -> None:
-        self._claim(stmt.name, stmt, "wait_for")
-
-    def _go(self, stmt: Go, in_loop: bool) -> None:
-        self._claim(stmt.name, stmt, "go")
-        self._section(stmt.body, False)
-
-    def _jump(self, stmt: Break | Continue, in_loop: bool) -> None:
-        if not in_loop:
-            raise ValidationError(f"{type(stmt).__name__}() outside a For")
-
-    def _return(self, stmt: Return, in_loop: bool) -> None:
-        pass  # Return may end a thread anywhere.
-
-
-# A dict from statement type to method: cheaper than `match` on class patterns.
-_INDEX: dict[type[Stmt], Callable[[Definition, Any, bool], None]] = {
-    Section: Definition._section,
-    Step: Definition._step,
-    _Branching: Definition._branching,
-    If: Definition._branching,
-    Switch: Definition._branching,
-    For: Definition._for,
-    Wait: Definition._wait,
-    WaitFor: Definition._wait_for,
-    Go: Definition._go,
-    Break: Definition._jump,
-    Continue: Definition._jump,
-    Return: Definition._return,
+#: Codes of the statement kinds the engine's walks tell apart (compared with `is`).
+LEAF, WAIT, FOR, BRANCHING, SECTION, GO, BREAK, CONTINUE, RETURN = (
+    "leaf", "wait", "for", "branching", "section", "go", "break", "continue", "return"
+)  # fmt: skip
+#: The kind code of each statement type (a dict lookup is cheaper than `match` on classes);
+#: a subclass of a known type is added by `dispatch_entry` on first sight.
+KIND_CODE: dict[type[Stmt], str] = {
+    Step: LEAF,
+    WaitFor: LEAF,
+    Wait: WAIT,
+    For: FOR,
+    _Branching: BRANCHING,
+    If: BRANCHING,
+    Switch: BRANCHING,
+    Section: SECTION,
+    Go: GO,
+    Break: BREAK,
+    Continue: CONTINUE,
+    Return: RETURN,
 }
 
 

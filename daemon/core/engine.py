@@ -8,8 +8,23 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import msgspec
+
 # Explicit re-exports (mypy's idiom): daemon.core.engine.Definition and .validate stay importable.
-from daemon.core.definition import Definable, dispatch_entry
+from daemon.core.definition import (
+    BRANCHING,
+    BREAK,
+    CONTINUE,
+    FOR,
+    GO,
+    KIND_CODE,
+    LEAF,
+    RETURN,
+    SECTION,
+    WAIT,
+    Definable,
+    dispatch_entry,
+)
 from daemon.core.definition import Definition as Definition  # noqa: PLC0414
 from daemon.core.definition import validate as validate  # noqa: PLC0414
 from daemon.core.handler import CallbackRequest, Handler
@@ -20,6 +35,7 @@ from daemon.core.state import (
     MAIN_THREAD,
     RUNNABLE,
     SETUP_DUE,
+    TEARDOWN_DUE,
     CheckpointType,
     EventStatus,
     State,
@@ -29,17 +45,12 @@ from daemon.core.state import (
     WorkflowStatus,
 )
 from daemon.core.statements import (
-    Break,
-    Continue,
     For,
     Go,
-    If,
     On,
-    Return,
     Section,
     Step,
     Stmt,
-    Switch,
     Wait,
     WaitFor,
     _Branching,
@@ -63,6 +74,7 @@ from daemon.errors import (
     WorkflowdError,
 )
 
+_encoder = msgspec.json.Encoder()
 # Enum members read on every transition (an Enum class attribute costs ~0.1 µs in 3.11).
 _EXECUTING, _RESUMING = ThreadStatus.EXECUTING, ThreadStatus.RESUMING
 _WAITING_EVENT, _WAITING_CONDITION = ThreadStatus.WAITING_EVENT, ThreadStatus.WAITING_CONDITION
@@ -126,13 +138,26 @@ class _Inline:
     async def next(self) -> list[Done]:
         thread_id, make_fork = self.queue.popleft()
         f = make_fork(alone=True)  # forked when it runs, so it overlaps no other step
-        try:
-            await self.run_step(f.step)
-            f.finish()
-        except Exception as e:  # noqa: BLE001 - the engine raises it as StepFailed
-            f.discard()
-            return [Done(thread_id, failure=StepFailed(f.step.name, e))]
+        failure = await _run_forked(f, self.run_step)
+        if failure is not None:
+            return [Done(thread_id, failure=failure)]
         return [Done(thread_id, f)]
+
+
+async def _run_forked(f: Fork, run_step: StepRunner) -> StepFailed | None:
+    """Run a forked step to its end; return its failure (its changes undone), or None."""
+    try:
+        if run_step is _run_step:  # the default: the action is called here, one frame less
+            result = f.step.action()
+            if result is not None and inspect.isawaitable(result):
+                await result
+        else:
+            await run_step(f.step)
+        f.finish()
+    except Exception as e:  # noqa: BLE001 - the engine raises it as StepFailed
+        f.discard()
+        return StepFailed(f.step.name, e)
+    return None
 
 
 class Start:
@@ -166,7 +191,9 @@ class Start:
         try:
             # What the engine's loop does for a finished step and the thread it resumes.
             r.stepped(t)
-            r.tick(t)
+            r.budget -= 1
+            if r.budget < 0:
+                raise r.runaway(t)
             r.advance(t)
             step = r.ready.get(t.id)
             if step is None or not r.alone(t):
@@ -223,55 +250,76 @@ class _Cursor:
         self.running = thread.cur_step == ""
 
     def run(self, stmt: Stmt) -> _Stop:
-        return (_RUN.get(type(stmt)) or dispatch_entry(_RUN, stmt))(self, stmt)
+        return self.block(stmt.stmts if isinstance(stmt, Section) else (stmt,))
 
-    def section(self, stmt: Section) -> _Stop:
-        for s in stmt.stmts:
-            stop = (_RUN.get(type(s)) or dispatch_entry(_RUN, s))(self, s)
+    def block(self, stmts: tuple[Any, ...]) -> _Stop:
+        # The statements of a block in one frame: leaves and jumps are handled inline, and
+        # only compound statements cost a call (this runs for every transition).
+        for s in stmts:
+            kind = KIND_CODE.get(type(s)) or dispatch_entry(KIND_CODE, s)
+            if kind is LEAF:
+                if self.running:
+                    return s  # type: ignore[no-any-return]
+                if self.thread.cur_step == s.name:
+                    self.running = True
+                continue
+            if kind is WAIT:
+                if self.running:
+                    return s  # type: ignore[no-any-return]
+                stop = self._wait(s)
+            elif kind is FOR:
+                stop = self._loop(s)
+            elif kind is BRANCHING:
+                stop = self._branch(s)
+            elif kind is SECTION:
+                stop = self.block(s.stmts)
+            elif kind is GO:
+                if self.running:
+                    self._go(s)
+                continue
+            else:  # Break, Continue, Return
+                if self.running:
+                    return _JUMPS[kind]
+                continue
             if stop is not None:
                 return stop
         return None
 
-    def _leaf(self, stmt: Step | WaitFor) -> _Stop:
-        if self.running:
-            return stmt
-        if self.thread.cur_step == stmt.name:
-            self.running = True
-        return None
-
-    def _jump(self, stmt: Stmt) -> _Stop:
-        return _JUMPS[type(stmt)] if self.running else None
-
     def _branch(self, stmt: _Branching) -> _Stop:
         if self.running:
             for b in stmt.branches:
-                if b.default or truth(b.cond):
-                    return self.section(b.body)
+                cond = b.cond
+                if b.default or cond is True or (cond is not False and truth(cond)):
+                    return self.block(b.body.stmts)
             return None
         for b in stmt.branches:
             if self.thread.cur_step == b.name:
                 self.running = True
-                return self.section(b.body)
-            stop = self.section(b.body)
+                return self.block(b.body.stmts)
+            stop = self.block(b.body.stmts)
             if stop is not None or self.running:
                 return stop
         return None
 
     def _loop(self, stmt: For) -> _Stop:
+        body = stmt.body.stmts
         if not self.running:
             if self.thread.cur_step == stmt.name:
                 self.running = True
             else:
-                stop = self.section(stmt.body)
+                stop = self.block(body)
                 if not self.running:
                     return None
                 if stop is _BREAK:
                     return None
                 if stop is not None and stop is not _CONTINUE:
                     return stop
-        while truth(stmt.cond):
-            self.resumer.tick(self.thread)
-            stop = self.section(stmt.body)
+        r, cond = self.resumer, stmt.cond
+        while cond is True or (cond is not False and truth(cond)):
+            r.budget -= 1
+            if r.budget < 0:
+                raise r.runaway(self.thread)
+            stop = self.block(body)
             if stop is _BREAK:
                 return None
             if stop is not None and stop is not _CONTINUE:
@@ -279,8 +327,6 @@ class _Cursor:
         return None
 
     def _wait(self, stmt: Wait) -> _Stop:
-        if self.running:
-            return stmt
         t = self.thread
         if t.cur_step == stmt.name:
             self.running = True
@@ -289,41 +335,24 @@ class _Cursor:
             for case in stmt.cases:
                 if case.event == t.cur_callback:
                     t.cur_callback = ""
-                    return self.section(case.body)
+                    return self.block(case.body.stmts)
             raise StepNotFound(
                 f"thread {t.id}: wait {stmt.name!r} has no case {t.cur_callback!r} any more"
             )
         for c in stmt.cases:
-            stop = self.section(c.body)
+            stop = self.block(c.body.stmts)
             if stop is not None or self.running:
                 return stop
         return None
 
-    def _go(self, stmt: Go) -> _Stop:
-        if not self.running:
-            return None
+    def _go(self, stmt: Go) -> None:
         tid, state = stmt.thread_id, self.resumer.state
         if state.thread(tid) is not None:
             raise WorkflowdError(f"thread {tid!r} is already running (give Go an id= per loop)")
         state.threads.append(Thread(tid, stmt.name))
-        return None
 
 
-_JUMPS: dict[type[Stmt], object] = {Break: _BREAK, Continue: _CONTINUE, Return: _RETURN}
-_RUN: dict[type[Stmt], Callable[[_Cursor, Any], _Stop]] = {
-    Section: _Cursor.section,
-    _Branching: _Cursor._branch,
-    Step: _Cursor._leaf,
-    WaitFor: _Cursor._leaf,
-    If: _Cursor._branch,
-    Switch: _Cursor._branch,
-    For: _Cursor._loop,
-    Wait: _Cursor._wait,
-    Go: _Cursor._go,
-    Break: _Cursor._jump,
-    Continue: _Cursor._jump,
-    Return: _Cursor._jump,
-}
+_JUMPS: dict[str, object] = {BREAK: _BREAK, CONTINUE: _CONTINUE, RETURN: _RETURN}
 
 
 class _Resumer:
@@ -361,32 +390,16 @@ class _Resumer:
             self._root = self.wf.definition()
         return self._root
 
-    @property
-    def current(self) -> Definition | None:
-        """Return the indexed tree if it was built from the data as it is now, else None."""
-        return self._defn
-
-    def rebuild(self) -> None:
-        # Built when next needed: several steps may complete (and merge) before that. Most
-        # rebuilds are only walked by a cursor, so indexing waits until a lookup needs it.
-        self._root = None
-        self._defn = None
-        self.ready.clear()
-        self.cases.clear()
-
     def tick(self, t: Thread) -> None:
         self.budget -= 1
         if self.budget < 0:
-            raise RunawayWorkflow(
-                f"workflow {self.state.id} made {MAX_TRANSITIONS} transitions without "
-                f"blocking (thread {t.id} near {t.cur_step!r}); endless loop?"
-            )
+            raise self.runaway(t)
 
-    def runnable(self, flight: set[str], held: set[str]) -> Thread | None:
-        for t in self.state.threads:
-            if t.status in RUNNABLE and t.id not in flight and t.id not in held:
-                return t
-        return None
+    def runaway(self, t: Thread) -> RunawayWorkflow:
+        return RunawayWorkflow(
+            f"workflow {self.state.id} made {MAX_TRANSITIONS} transitions without "
+            f"blocking (thread {t.id} near {t.cur_step!r}); endless loop?"
+        )
 
     def alone(self, t: Thread) -> bool:
         """Tell whether every thread but `t` waits for an event (nothing else for the engine)."""
@@ -407,13 +420,21 @@ class _Resumer:
         t.status = _RESUMING
         t.pc += 1
         self.state.pc += 1
-        self.rebuild()
+        # Built when next needed: several steps may complete (and merge) before that. Most
+        # rebuilds are only walked by a cursor, so indexing waits until a lookup needs it.
+        self._root = self._defn = None
+        if self.ready:
+            self.ready.clear()
+        if self.cases:
+            self.cases.clear()
 
     def advance(self, t: Thread) -> None:
         """Move `t` on to where it must stop; the caller checkpoints (AFTER_RESUME)."""
         s = self.state
         if t.name == MAIN_THREAD:
-            body: Section = self.root
+            body = self._root
+            if body is None:
+                body = self._root = self.wf.definition()
         elif (go := self.defn.get(t.name, Go)) is not None:
             body = go.body
         else:
@@ -421,7 +442,7 @@ class _Resumer:
         cursor = _Cursor(self, t)
         t.pc += 1
         s.pc += 1
-        stop = cursor.run(body)
+        stop = cursor.block(body.stmts) if type(body) is Section else cursor.run(body)
         if stop is None and not cursor.running:
             raise StepNotFound(f"thread {t.id}: statement {t.cur_step!r} is not in the definition")
         if stop is None or stop is _RETURN:
@@ -534,33 +555,52 @@ async def resume(
     """
     if state.status in FINAL_STATUSES:
         raise WorkflowdError(f"workflow {state.id} is already {state.status}")
-    runner = steps if steps is not None else _Inline(run_step)
     r = _Resumer(wf, state, checkpoint, definition)
     state.pc += 1
-    await r.teardown()
+    if _due(state, TEARDOWN_DUE):
+        await r.teardown()
+    stepped = started = False
+    if steps is None and len(state.threads) == 1:
+        stepped = await _lone_thread(r, state.threads[0], run_step, on_conflict)
+    runner = steps  # the engine's own made when a step first needs it
     #: Threads whose step is in flight, and those whose step was not run (stopping).
     flight: set[str] = set()
     held: set[str] = set()
-    stepped = started = False
+    # The loop's common work is inline (no call per pass): finding a runnable thread,
+    # counting the transition, and seeing that no thread waits on a condition.
     while state.status not in FINAL_STATUSES:
-        t = r.runnable(flight, held)
+        conditions = False
+        for t in state.threads:
+            status = t.status
+            if status in RUNNABLE and t.id not in flight and t.id not in held:
+                break
+            if status is _WAITING_CONDITION:
+                conditions = True
+        else:
+            t = None
         if t is not None:
-            r.tick(t)
+            r.budget -= 1
+            if r.budget < 0:
+                raise r.runaway(t)
             if t.status is _EXECUTING:
-                runner.start(t.id, Start(r, t, r.step_of(t)))
+                step = r.ready.pop(t.id, None) or r.step_of(t)
+                if runner is None:
+                    runner = _Inline(run_step)
+                runner.start(t.id, Start(r, t, step))
                 flight.add(t.id)
                 started = True
             else:
                 r.advance(t)
                 await checkpoint(_AFTER_RESUME)
             continue
-        if await r.check_conditions():
+        if conditions and await r.check_conditions():
             continue
         if not flight:
             break
         if stepped or started:
             await checkpoint(_AFTER_STEP if stepped else _STEPS_STARTED)
             stepped = started = False
+        assert runner is not None  # a step is in flight, so it was started
         for done in await runner.next():
             flight.discard(done.thread_id)
             if done.failure is not None:
@@ -585,11 +625,69 @@ async def resume(
         quiet = state.status not in FINAL_STATUSES and r.quiet_setups()
         await checkpoint(_AFTER_RESUME if quiet else _AFTER_STEP)
     if state.status in FINAL_STATUSES:
-        await r.teardown()
+        if _due(state, TEARDOWN_DUE):
+            await r.teardown()
         drop_ended_threads(state)
-    await r.setup()
+    if _due(state, SETUP_DUE):
+        await r.setup()
     state.update_status()
-    return r.current
+    return r._defn
+
+
+async def _lone_thread(
+    r: _Resumer, t: Thread, run_step: StepRunner, on_conflict: OnConflict
+) -> bool:
+    """Run a workflow's only thread with the engine's own runner; return whether it stepped.
+
+    The general loop's passes for this case, flat: the same transitions and checkpoints in
+    the same order, without the bookkeeping of steps in flight. It returns as soon as the
+    thread blocks or another thread appears (a Go), and the general loop takes over from
+    there as from the top of one of its passes.
+    """
+    state, checkpoint, threads = r.state, r.checkpoint, r.state.threads
+    stepped = False
+    while state.status not in FINAL_STATUSES and len(threads) == 1:
+        status = t.status
+        if status is _RESUMING:
+            r.budget -= 1
+            if r.budget < 0:
+                raise r.runaway(t)
+            r.advance(t)
+            await checkpoint(_AFTER_RESUME)
+        elif status is _EXECUTING:
+            r.budget -= 1
+            if r.budget < 0:
+                raise r.runaway(t)
+            step = r.ready.pop(t.id, None) or r.step_of(t)
+            await checkpoint(_AFTER_STEP if stepped else _STEPS_STARTED)
+            if step.timeout:  # run on a copy of the data, then merged (see fork)
+                f = fork(r.wf, step, alone=True)
+                failure = await _run_forked(f, run_step)
+                if failure is not None:
+                    raise failure
+                for path in apply(r.wf, f):
+                    on_conflict(path, f.step.name, t.id)
+            else:
+                # What fork(alone=True) and `_run_forked` do, without their frames and
+                # objects (this runs for every step): on the live data, undone if it fails.
+                undo, failure = _encoder.encode(r.wf), None
+                try:
+                    if run_step is _run_step:
+                        result = step.action()
+                        if result is not None and inspect.isawaitable(result):
+                            await result
+                    else:
+                        await run_step(step)
+                except Exception as e:  # noqa: BLE001 - raised as StepFailed, as from `_Inline`
+                    r.wf.restore(undo)
+                    failure = StepFailed(step.name, e)
+                if failure is not None:
+                    raise failure
+            r.stepped(t)
+            stepped = True
+        else:
+            break
+    return stepped
 
 
 async def handle_callback(
@@ -633,6 +731,15 @@ async def handle_callback(
     thread.pc += 1
     state.update_status()
     return out
+
+
+def _due(state: State, statuses: tuple[EventStatus, ...]) -> bool:
+    """Tell whether any wait of any thread has one of `statuses` (most resumes have none)."""
+    for t in state.threads:
+        for ev in t.wait_events:
+            if ev.status in statuses:
+                return True
+    return False
 
 
 def _find_waiting(state: State, req: CallbackRequest) -> tuple[Thread, WaitEvent]:

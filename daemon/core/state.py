@@ -131,7 +131,10 @@ class State:
 
     def thread(self, id: str) -> Thread | None:
         """Return the thread with that id, or None."""
-        return next((t for t in self.threads if t.id == id), None)
+        for t in self.threads:
+            if t.id == id:
+                return t
+        return None
 
     def update_status(self) -> None:
         """Derive RESUMING/WAITING from the threads (final statuses are kept)."""

@@ -39,7 +39,7 @@ async def teardown_waits(
     failed = 0
     for t in state.threads:
         for ev in list(t.wait_events):
-            if ev.status not in TEARDOWN_DUE or (t.id, ev.req.name, ev.req.pc) in keep:
+            if ev.status not in TEARDOWN_DUE or (keep and (t.id, ev.req.name, ev.req.pc) in keep):
                 continue
             try:
                 await handler_of(ev).teardown(ev.req, ev.handled)

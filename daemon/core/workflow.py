@@ -56,19 +56,60 @@ def fill_defaults(obj: T) -> T:
     Without this, a field still at its default would not be written to the store, and a later
     change of the default in code would silently change running workflows.
     """
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        attrs = getattr(obj, "__dict__", None)  # None for slots classes, which always set all
-        for f in dataclasses.fields(obj):
-            fill_defaults(getattr(obj, f.name))
-            if attrs is not None and f.name not in attrs:
-                setattr(obj, f.name, getattr(obj, f.name))
-    elif isinstance(obj, list):
-        for item in obj:
-            fill_defaults(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            fill_defaults(item)
+    # Runs on every load of a workflow: scalars are skipped without a call, and each
+    # dataclass's field names are looked up once per class.
+    tp = type(obj)
+    if tp in _SCALAR_TYPES:
+        return obj
+    names = _field_names.get(tp, _UNSEEN)
+    if names is _UNSEEN:
+        names = _remember_fields(tp)
+    if names is None:
+        if isinstance(obj, list):
+            items: Iterable[Any] = obj
+        elif isinstance(obj, dict):
+            items = obj.values()
+        else:
+            return obj
+        for item in items:
+            if type(item) not in _SCALAR_TYPES:
+                fill_defaults(item)
+        return obj
+    attrs = getattr(obj, "__dict__", None)  # None for slots classes, which always set all
+    for name in names:
+        value = getattr(obj, name)
+        if type(value) not in _SCALAR_TYPES:
+            fill_defaults(value)
+        if attrs is not None and name not in attrs:
+            setattr(obj, name, value)
     return obj
+
+
+_SCALAR_TYPES = frozenset(_SCALARS)
+_UNSEEN: Any = object()
+#: The data field names of each dataclass type met by `fill_defaults` (None: not one).
+_field_names: dict[type, tuple[str, ...] | None] = {}
+#: One typed decoder per workflow class (`msgspec.json.decode(type=)` looks the type up each call).
+_decoders: dict[type, msgspec.json.Decoder[Any]] = {}
+#: Reloads make new classes; the caches are dropped whole past this many, not kept forever.
+_CACHED_TYPES = 4096
+
+
+def _remember_fields(tp: type) -> tuple[str, ...] | None:
+    if len(_field_names) >= _CACHED_TYPES:
+        _field_names.clear()
+    names = tuple(f.name for f in dataclasses.fields(tp)) if dataclasses.is_dataclass(tp) else None
+    _field_names[tp] = names
+    return names
+
+
+def _decoder(cls: type[T]) -> msgspec.json.Decoder[T]:
+    decoder = _decoders.get(cls)
+    if decoder is None:
+        if len(_decoders) >= _CACHED_TYPES:
+            _decoders.clear()
+        decoder = _decoders[cls] = msgspec.json.Decoder(cls)
+    return decoder
 
 
 def _check_fields(cls: type) -> None:
@@ -112,7 +153,7 @@ class Workflow:
     @classmethod
     def from_json(cls, s: str | bytes) -> Self:
         """Rebuild a workflow from JSON text produced by `to_json`."""
-        return fill_defaults(msgspec.json.decode(s, type=cls))
+        return fill_defaults(_decoder(cls).decode(s))
 
     @classmethod
     def from_input(cls, data: dict[str, Any] | None) -> Self:
@@ -137,7 +178,7 @@ class Workflow:
 
     def restore(self, snap: bytes) -> None:
         """Put back data captured by `snapshot`."""
-        fresh = msgspec.json.decode(snap, type=type(self))
+        fresh = _decoder(type(self)).decode(snap)
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             setattr(self, f.name, getattr(fresh, f.name))
 
