@@ -111,6 +111,7 @@ async def test_finish_hook_and_type_hook(short_tmp: Path, hook_out: Path) -> Non
         assert d.proc is not None
 
 
+@pytest.mark.sqlite_only("reads the database file")
 async def test_endings_without_hooks_are_forgotten_and_a_hook_still_runs(
     short_tmp: Path, hook_out: Path
 ) -> None:
