@@ -112,6 +112,12 @@ class Actor:
         return not self._interruptible and not (self.pool is not None and self.pool.resting)
 
     @property
+    def committing(self) -> bool:
+        """Tell whether the actor awaits a write in its own task: a cancel must wait for it."""
+        pipeline = getattr(self, "_pipeline", None)  # gone once `run` ended
+        return pipeline is not None and pipeline.committing
+
+    @property
     def running(self) -> list[tuple[str, StepRun]]:
         """Return the steps running now, with their thread ids."""
         return list(self.pool.running.items()) if self.pool is not None else []
@@ -362,6 +368,11 @@ class Actor:
 
     async def _save(self, loaded: Loaded, data: str | None = None) -> None:
         """Save the workflow and return once it is durable, with every checkpoint before it."""
+        if self._scope is None:
+            # Nothing may interrupt us now but shutdown, which waits for the write (see
+            # `committing`): it is awaited here, without a task of its own.
+            await self._pipeline.commit(self._take(loaded, data))
+            return
         if self._pipeline.queue(self._take(loaded, data)):
             await self._pipeline.room_taken()
         await self._pipeline.flush()
@@ -493,9 +504,9 @@ class Actor:
             log.warning("handler_failed", error=loaded.error, retry_in_s=delay)
         else:
             loaded.attempt, loaded.error = 0, None
-        if self._pipeline.queue(self._take(loaded)):
-            await self._pipeline.room_taken()
-        await self._pipeline.flush()  # what `_save` does, with two coroutine frames fewer
+        # What `_save` does, one coroutine frame fewer; outside the resume's interruptible
+        # block, so the write is awaited right here (see Pipeline.commit).
+        await self._pipeline.commit(self._take(loaded))
         loaded.keep(self.arms.rearm(loaded.wf, loaded.state, loaded.definition()))
 
     async def _listen_failed(self, loaded: Loaded, item: Item) -> None:

@@ -75,11 +75,22 @@ class _Holds:
     def _due(self, loop: asyncio.AbstractEventLoop) -> None:
         self._timer = None
         held, now = self._held, loop.time()
+        over: list[Pipeline] = []
         while held and held[0][0] <= now:
-            # One issued early (a flush) and held again since ends early: harmless.
-            held.popleft()[1]._hold_over()
+            over.append(held.popleft()[1])
+        # Issued one loop turn later: a step whose result came in with this timer (the loop
+        # was busy) has its actor woken for this very turn, and its save still merges into
+        # the held write (one write per fired timer, not two).
+        if over:
+            loop.call_soon(_holds_over, over)
         if held:
             self._timer = loop.call_at(held[0][0], self._due, loop)
+
+
+def _holds_over(over: list[Pipeline]) -> None:
+    for pipeline in over:
+        # One issued early (a flush) and held again since ends early: harmless.
+        pipeline._hold_over()
 
 
 #: One _Holds per running loop (tests run many loops, one after the other).
@@ -122,6 +133,8 @@ class Pipeline:
         #: own: a cancelled waiter cancels only its own, and no shield sits in between (two
         #: loop turns per flush saved).
         self._drained: list[asyncio.Future[None]] = []
+        #: A write awaited by `commit` itself (no task): see `committing`.
+        self._inline = False
 
     def room(self) -> int:
         """Return how many more checkpoints may queue before `put` waits for a commit."""
@@ -130,7 +143,16 @@ class Pipeline:
     @property
     def idle(self) -> bool:
         """Tell whether nothing is queued or being written."""
-        return self._task is None and self._queued is None
+        return self._task is None and self._queued is None and not self._inline
+
+    @property
+    def committing(self) -> bool:
+        """Tell whether `commit` awaits a write in its caller's task: cancel that task later.
+
+        A cancel would cut the caller off from the write's outcome (the write itself goes on
+        in the store), so whoever cancels the task waits until this is False.
+        """
+        return self._inline
 
     async def put(self, save: Save) -> None:
         """Queue a checkpoint; wait only if the queued write already stands for `ahead` of them.
@@ -157,7 +179,7 @@ class Pipeline:
             self._queued = queued = save
         else:
             queued.merge(save)
-        if self._task is None:
+        if self._task is None and not self._inline:
             if hold and queued.count < self._ahead:
                 if not self._held:
                     self._held = True
@@ -178,7 +200,7 @@ class Pipeline:
     def _issue(self) -> None:
         """Start writing what is queued (a held write's time is over, or it is wanted now)."""
         self._held = False
-        if self._task is None and self._queued is not None:
+        if self._task is None and self._queued is not None and not self._inline:
             self._task = asyncio.get_running_loop().create_task(self._drain())
 
     async def room_taken(self) -> None:
@@ -200,6 +222,41 @@ class Pipeline:
             await drained
         if self._error is not None:
             raise self._error
+
+    async def commit(self, save: Save) -> None:
+        """Queue `save` and wait until it is durable, with every checkpoint before it.
+
+        What `put` then `flush` do; with no write in flight (the common case: the save that
+        settles a resume), the write is awaited right here, in the caller's task, instead of
+        in a task of its own: no task, no wake-up of the caller by that task. The caller's
+        task must not be cancelled while `committing` (only shutdown may, and it waits).
+        """
+        if self._error is not None:
+            raise self._error
+        if self._task is not None or self._inline:
+            if self.queue(save):
+                await self.room_taken()
+            await self.flush()
+            return
+        queued, self._queued, self._held = self._queued, None, False
+        if queued is not None:
+            queued.merge(save)
+            save = queued
+        self._inline = True
+        try:
+            await self._write(save)
+        except BaseException as e:
+            self._inline = False
+            self._error = e
+            self._lost.append(save)
+            if self._queued is not None:  # queued meanwhile: dropped, as `_drain` drops it
+                self._lost.append(self._queued)
+                self._queued = None
+            raise
+        self._inline = False
+        self._on_durable(save)
+        if self._queued is not None:
+            self._issue()  # queued meanwhile: written after ours, in order
 
     async def settle(self) -> None:
         """Wait for the write in flight, whatever its outcome (before reading the store back).

@@ -90,8 +90,11 @@ class Scheduler:
         finally:
             with anyio.CancelScope(shield=True):
                 while self._tasks:
-                    for task in self._tasks.values():
-                        task.cancel()
+                    for wid, task in self._tasks.items():
+                        # One awaiting its own write is cancelled once the write is in: a
+                        # cancel now would cut it off from the write's outcome.
+                        if not self._actors[wid].committing:
+                            task.cancel()
                     # Cancelled again until it ends, as a cancel scope would: an actor that
                     # awaits in a `finally` is told again (a cancel scope of its own each
                     # would cost every actor more than its task does).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,6 +148,75 @@ class TestPipeline:
         await p.put(save(5))  # a fresh start after the actor went back to the durable state
         await p.flush()
         assert [w for w, _, _ in writes.written] == ["1", "5"]
+
+
+class TestCommit:
+    """`commit` puts and flushes; with nothing in flight it awaits the write itself."""
+
+    async def test_nothing_in_flight_writes_in_the_callers_task(self) -> None:
+        """The write runs in the caller's task (no task of its own) and is durable on return."""
+        tasks: list[asyncio.Task[Any] | None] = []
+        durable: list[str] = []
+
+        async def write(s: Save) -> None:
+            tasks.append(asyncio.current_task())
+            await anyio.lowlevel.checkpoint()
+
+        p = Pipeline(write, on_durable=lambda s: durable.append(s.data))
+        await p.commit(save(1))
+        assert tasks == [asyncio.current_task()] and durable == ["1"] and p.idle
+
+    async def test_a_held_checkpoint_goes_into_the_same_write(self) -> None:
+        """A held checkpoint is merged into the commit's write, not written later on its own."""
+        writes = Writes()
+        p = Pipeline(writes, hold_s=0.001)
+        p.queue(save(1), hold=True)
+        await p.commit(save(2))
+        await anyio.sleep(0.01)  # past the hold: its timer finds nothing left to issue
+        assert writes.written == [("2", 2, [1, 2])] and p.idle
+
+    async def test_behind_a_write_in_flight_it_waits_for_both_in_order(self) -> None:
+        """A write in flight is committed first; then the commit's own."""
+        writes = Writes()
+        writes.gates["1"] = gate = anyio.Event()
+        p = Pipeline(writes)
+        await p.put(save(1))
+        await until(lambda: writes.started == ["1"])
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(p.commit, save(2))
+            await anyio.lowlevel.checkpoint()
+            assert writes.started == ["1"]
+            gate.set()
+        assert [w for w, _, _ in writes.written] == ["1", "2"] and p.idle
+
+    async def test_committing_while_the_write_is_awaited(self) -> None:
+        """`committing` is True exactly while the caller awaits its own write."""
+        writes = Writes()
+        writes.gates["1"] = gate = anyio.Event()
+        p = Pipeline(writes)
+        assert not p.committing
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(p.commit, save(1))
+            await until(lambda: writes.started == ["1"])
+            assert p.committing and not p.idle
+            gate.set()
+        assert not p.committing and p.idle
+
+    async def test_a_failed_commit_raises_and_hands_back_its_events(self) -> None:
+        """The error reaches the caller; put raises it until `undurable` forgets it."""
+        writes = Writes()
+        writes.fail.add("1")
+        a = Item(kind="callback", inbox_id=10)
+        durable: list[str] = []
+        p = Pipeline(writes, on_durable=lambda s: durable.append(s.data))
+        with pytest.raises(sqlite3.OperationalError):
+            await p.commit(save(1, a))
+        with pytest.raises(sqlite3.OperationalError):
+            await p.put(save(2))
+        assert durable == [] and not p.committing
+        assert p.undurable() == [a]
+        await p.commit(save(3))
+        assert [w for w, _, _ in writes.written] == ["3"]
 
 
 #: Step indexes in the order they ran (one workflow per test).

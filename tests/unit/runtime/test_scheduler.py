@@ -17,6 +17,7 @@ import anyio.lowlevel
 import pytest
 
 from daemon.runtime.actor import Actor
+from daemon.runtime.pipeline import Save
 from daemon.runtime.runtime import Runtime
 from daemon.runtime.scheduler import Hold, Scheduler
 from daemon.runtime.work import Item
@@ -62,6 +63,28 @@ class Stubborn(Actor):
             await anyio.sleep_forever()  # until told again
         finally:
             self.notes.append("ended")
+
+
+@dataclass(eq=False, kw_only=True)
+class Committing(Actor):
+    """An actor that awaits its own write (Pipeline.commit) until `gate` opens, then hangs."""
+
+    notes: list[str]
+    gate: anyio.Event
+
+    async def _write(self, save: Save) -> None:
+        self.notes.append("writing")
+        await self.gate.wait()
+        self.notes.append("written")
+
+    async def run(self) -> None:
+        save = Save("Waiting", "{}", "{}", None, 0, None, [])
+        await self._pipeline.commit(save)
+        self.notes.append("durable")
+        try:
+            await anyio.sleep_forever()
+        finally:
+            self.notes.append("cancelled")
 
 
 def _scheduler(rt: Runtime, make: Callable[..., Actor]) -> Scheduler:
@@ -150,6 +173,25 @@ class TestActorTasks:
                     await until(lambda: notes == ["started"])
                     tg.cancel_scope.cancel()
             assert notes == ["started", "told once", "ended"] and len(scheduler) == 0
+
+    async def test_an_actor_awaiting_its_own_write_is_cancelled_once_it_is_in(
+        self, tmp_path: Path
+    ) -> None:
+        """Shutdown does not cut an actor off from the outcome of the write it awaits."""
+        notes: list[str] = []
+        gate = anyio.Event()
+        async with SQLiteStore.open(tmp_path / "wf.db") as store, Runtime.open(store, {}) as rt:
+            scheduler = _scheduler(rt, lambda **kw: Committing(notes=notes, gate=gate, **kw))
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(scheduler.run)
+                    scheduler.submit("w", Item("resume"))
+                    await until(lambda: notes == ["writing"])
+                    # Opened after `run` has begun cancelling (the write outlives that turn).
+                    asyncio.get_running_loop().call_later(0.2, gate.set)
+                    tg.cancel_scope.cancel()
+            assert notes == ["writing", "written", "durable", "cancelled"]
+            assert len(scheduler) == 0
 
     async def test_an_actor_that_raises_ends_run_with_its_error(self, tmp_path: Path) -> None:
         """A crash is not swallowed: `run` raises it (the runtime's task group then ends)."""
