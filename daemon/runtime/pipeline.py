@@ -75,22 +75,11 @@ class _Holds:
     def _due(self, loop: asyncio.AbstractEventLoop) -> None:
         self._timer = None
         held, now = self._held, loop.time()
-        over: list[Pipeline] = []
         while held and held[0][0] <= now:
-            over.append(held.popleft()[1])
-        # Issued one loop turn later: a step whose result came in with this timer (the loop
-        # was busy) has its actor woken for this very turn, and its save still merges into
-        # the held write (one write per fired timer, not two).
-        if over:
-            loop.call_soon(_holds_over, over)
+            # One issued early (a flush) and held again since ends early: harmless.
+            held.popleft()[1]._hold_over()
         if held:
             self._timer = loop.call_at(held[0][0], self._due, loop)
-
-
-def _holds_over(over: list[Pipeline]) -> None:
-    for pipeline in over:
-        # One issued early (a flush) and held again since ends early: harmless.
-        pipeline._hold_over()
 
 
 #: One _Holds per running loop (tests run many loops, one after the other).
