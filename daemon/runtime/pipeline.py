@@ -75,11 +75,23 @@ class _Holds:
     def _due(self, loop: asyncio.AbstractEventLoop) -> None:
         self._timer = None
         held, now = self._held, loop.time()
+        over: list[Pipeline] = []
         while held and held[0][0] <= now:
-            # One issued early (a flush) and held again since ends early: harmless.
-            held.popleft()[1]._hold_over()
+            over.append(held.popleft()[1])
+        if over:
+            # Issued after the loop looked for I/O once more: a busy loop runs this timer late,
+            # and the results of steps that ended meanwhile come in with that look. Their
+            # actors then take their next turns before the writes' tasks take their first,
+            # so each step's save still merges into its held write (one write, not two).
+            loop.call_soon(loop.call_soon, _holds_over, over)
         if held:
             self._timer = loop.call_at(held[0][0], self._due, loop)
+
+
+def _holds_over(over: list[Pipeline]) -> None:
+    for pipeline in over:
+        # One issued early (a flush) and held again since ends early: harmless.
+        pipeline._hold_over()
 
 
 #: One _Holds per running loop (tests run many loops, one after the other).

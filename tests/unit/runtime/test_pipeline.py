@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import sqlite3
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,6 +116,36 @@ class TestPipeline:
         p.queue(save(1), hold=True)
         await until(lambda: writes.written == [("1", 1, [1])])
         assert p.idle
+
+    async def test_a_step_result_right_after_the_hold_still_merges(self) -> None:
+        """A save whose step's result comes in just after its hold ended (a busy loop) merges.
+
+        The result arrives as I/O in the loop turn after the one that runs the hold's timer:
+        its actor's save must still find the held write queued, not in flight.
+        """
+        writes = Writes()
+        p = Pipeline(writes, hold_s=0.001)
+        loop = asyncio.get_running_loop()
+        result, sender = socket.socketpair()
+        result.setblocking(False)
+
+        def delivered() -> None:  # what a worker's delivery does: its actor goes on next turn
+            result.recv(1)
+            loop.remove_reader(result)
+            loop.call_soon(p.queue, save(2))
+
+        try:
+            loop.add_reader(result, delivered)
+            p.queue(save(1), hold=True)
+            time.sleep(0.01)  # noqa: ASYNC251 - the busy loop itself: the hold ends meanwhile
+            # Sent in the turn that runs the hold's timer: seen by the loop's next look.
+            loop.call_soon(sender.send, b"x")
+            await until(lambda: p.idle and len(writes.written) >= 1)  # no flush: it issues
+        finally:
+            loop.remove_reader(result)
+            result.close()
+            sender.close()
+        assert writes.written == [("2", 2, [1, 2])]
 
     async def test_flush_and_settle_issue_a_held_write_at_once(self) -> None:
         """Whoever waits for durability (or for the write in flight) does not wait out a hold."""
