@@ -47,6 +47,7 @@ _DURABLE = (
     CheckpointType.AFTER_CONDITION,
     CheckpointType.STEPS_STARTED,
 )
+_FINAL_VALUES = frozenset(status.value for status in FINAL_STATUSES)
 _BROKEN = (EventStatus.SETUP_ERROR, EventStatus.TEARDOWN_ERROR)
 _EXECUTING = ThreadStatus.EXECUTING
 #: Answers that cannot change after they are given.
@@ -74,10 +75,10 @@ class Actor:
     #: Called once an end (finished, failed, cancelled) is durable: a parent may wait for it.
     on_ended: Callable[[str], None] = lambda workflow_id: None
     items: deque[Item] = field(default_factory=deque)
-    # asyncio's event, not anyio's: actors come and go once per resume, and anyio looks its
-    # backend up on every Event it makes (the daemon runs on asyncio only).
-    #: Set once the actor has exited (a repair waits for it).
-    done: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Set once the actor has exited (a repair waits for it: see `wait_done`); made only
+    #: when someone waits, not once per fired timer.
+    _done: asyncio.Future[None] | None = None
+    _exited: bool = False
     #: The steps in flight while the workflow resumes, for `show` and `list`.
     pool: StepPool | None = None
     #: What `interrupt` cancels: the retry wait, or the resume running now.
@@ -110,6 +111,21 @@ class Actor:
     def busy(self) -> bool:
         """Tell whether the actor is working, rather than sleeping until a retry is due."""
         return not self._interruptible and not (self.pool is not None and self.pool.resting)
+
+    def exited(self) -> None:
+        """Note that the actor has exited, and wake whoever waits for that (the scheduler)."""
+        self._exited = True
+        if self._done is not None and not self._done.done():
+            self._done.set_result(None)
+
+    async def wait_done(self) -> None:
+        """Return once the actor has exited."""
+        if self._exited:
+            return
+        if self._done is None:
+            self._done = asyncio.get_running_loop().create_future()
+        # Shielded: a cancelled waiter must not cancel the future another waiter shares.
+        await asyncio.shield(self._done)
 
     @property
     def committing(self) -> bool:
@@ -180,13 +196,16 @@ class Actor:
         try:
             await self._loop(loaded)
         finally:
-            await self._pipeline.settle()
-            # A write that failed with nobody left to see it: its senders hear so.
-            _fail_replies(self._pipeline.undurable(), "callback not stored: its write failed")
-            # Inbox-backed items stay in the store and are recovered on restart (or by the
-            # daemon that took the workflow over).
-            gone = "another daemon runs it now" if self._lost else "workflowd is shutting down"
-            self._reject_all(Unavailable(gone))
+            pipeline = self._pipeline
+            if not pipeline.clean:  # the common end has nothing queued, in flight or lost
+                await pipeline.settle()
+                # A write that failed with nobody left to see it: its senders hear so.
+                _fail_replies(pipeline.undurable(), "callback not stored: its write failed")
+            if self.items:
+                # Inbox-backed items stay in the store and are recovered on restart (or by
+                # the daemon that took the workflow over).
+                gone = "another daemon runs it now" if self._lost else "workflowd is shutting down"
+                self._reject_all(Unavailable(gone))
             # The pipeline holds our bound methods: left as it is, every ended actor would be
             # garbage for the cyclic GC to find (an actor runs once, so nothing uses it after).
             del self._pipeline
@@ -207,7 +226,8 @@ class Actor:
                 if any(item.inbox_id is not None for item in self.items):
                     loaded = await self._guard(self._reject_late, loaded)
                     continue
-                self._reject_all(CallbackNotFound(f"workflow {self.workflow_id} is {status}"))
+                if self.items:  # no error made (an f-string and an exception) for nobody
+                    self._reject_all(CallbackNotFound(f"workflow {self.workflow_id} is {status}"))
                 return
             due = loaded.next_run_at
             if status is WorkflowStatus.RESUMING or due is not None:
@@ -363,7 +383,7 @@ class Actor:
             # A sender that waits for this commit (see `_callback`).
             if item.reply is not None and item.reply.release() and self.metrics is not None:
                 self.metrics.callback("applied")
-        if WorkflowStatus(save.status) in FINAL_STATUSES:
+        if save.status in _FINAL_VALUES:  # a string compare: no enum made per write
             self.on_ended(self.workflow_id)
 
     async def _save(self, loaded: Loaded, data: str | None = None) -> None:
@@ -612,7 +632,7 @@ class Actor:
 
     async def _callback(self, loaded: Loaded, item: Item) -> None:
         assert item.req is not None
-        reply = item.reply or Reply()
+        reply = item.reply  # a fired timer has none, and none is made for it
         event = item.req.name
         defn = loaded.definition()
         loaded.keep(None)  # the handler changes the data
@@ -676,19 +696,24 @@ class Actor:
         try:
             await self._save(loaded, data)
         except Exception as e:
-            reply.fail(Unavailable(f"callback not stored: {type(e).__name__}: {e}"))
+            if reply is not None:
+                reply.fail(Unavailable(f"callback not stored: {type(e).__name__}: {e}"))
             raise
         if self.metrics is not None:
             self.metrics.callback("applied")
-        reply.set(out)
+        if reply is not None:
+            reply.set(out)
 
-    async def _reject(self, loaded: Loaded, item: Item, reply: Reply, e: WorkflowdError) -> None:
+    async def _reject(
+        self, loaded: Loaded, item: Item, reply: Reply | None, e: WorkflowdError
+    ) -> None:
         assert item.req is not None
         event = item.req.name
         log.info("callback_rejected", event_name=event, code=e.code, error=str(e))
         if self.metrics is not None:
             self.metrics.callback("rejected")
-        reply.fail(e)
+        if reply is not None:
+            reply.fail(e)
         if item.inbox_id is not None:
             self._unsaved.append(item)
             self._history.append(("callback_rejected", {"event": event, "error": str(e)}))

@@ -147,6 +147,17 @@ class Pipeline:
         return self._task is None and self._queued is None and not self._inline
 
     @property
+    def clean(self) -> bool:
+        """Tell whether nothing is queued, held, in flight, failed or lost (`settle` is moot)."""
+        return (
+            self._task is None
+            and self._queued is None
+            and not self._inline
+            and self._error is None
+            and not self._lost
+        )
+
+    @property
     def committing(self) -> bool:
         """Tell whether `commit` awaits a write in its caller's task: cancel that task later.
 

@@ -162,7 +162,7 @@ class Scheduler:
         # Both before anything below may submit: a new actor for it gets a new task.
         actor = self._actors.pop(workflow_id)
         del self._tasks[workflow_id]
-        actor.done.set()
+        actor.exited()
         if self.on_exit is not None:
             loaded = self._cache.get(workflow_id)
             self.on_exit(workflow_id, loaded.state.status.value if loaded else None)
@@ -213,7 +213,7 @@ class Scheduler:
                 c = self._cache.get(workflow_id)
                 if c and c.state.status is not WorkflowStatus.RESUMING and c.next_run_at is None:
                     with anyio.move_on_after(BUSY_WAIT_S):
-                        await actor.done.wait()
+                        await actor.wait_done()
                 if workflow_id in self._actors:
                     raise Conflict(
                         f"workflow {workflow_id} is running; wait until it waits or fails"

@@ -201,3 +201,30 @@ class TestActorTasks:
             with anyio.fail_after(5), pytest.raises(RuntimeError, match="boom"):
                 await scheduler.run()
             assert not scheduler.running("w")
+
+
+class TestActorExit:
+    """`Actor.wait_done` returns once the scheduler has said that the actor exited."""
+
+    async def test_waiters_before_and_after_the_exit_return(self, tmp_path: Path) -> None:
+        """A waiter from before the exit is woken; one after it returns at once."""
+        notes: list[str] = []
+        async with SQLiteStore.open(tmp_path / "wf.db") as store, Runtime.open(store, {}) as rt:
+            scheduler = _scheduler(rt, lambda **kw: Hanging(notes=notes, **kw))
+            actor = scheduler._new_actor("w")
+            woken: list[str] = []
+
+            async def wait(name: str) -> None:
+                await actor.wait_done()
+                woken.append(name)
+
+            with anyio.fail_after(5):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(wait, "early")
+                    with anyio.move_on_after(0.01):  # a cancelled waiter spoils nobody's wait
+                        await actor.wait_done()
+                    await anyio.lowlevel.checkpoint()
+                    assert woken == []
+                    actor.exited()
+                await actor.wait_done()
+            assert woken == ["early"]
