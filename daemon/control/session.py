@@ -254,12 +254,12 @@ class Session:
             except Exception as e:  # noqa: BLE001 - every outcome is an answer
                 data = _encode(_failure(req_id, e, "send"))
             wire = self.wire
-            if self._ended or not wire.is_flushed():
+            if self._ended or not wire.flushed_now:
                 self._answer_line(data)  # unread output: its size is checked there
             elif not wire.write(data) or wire.lost:
                 self.tg.cancel_scope.cancel()  # as `_write_line` does
                 self._answered()
-            elif wire.is_flushed():
+            elif wire.flushed_now:
                 self._answered()
             else:
                 self._held_back()  # the peer has yet to take it

@@ -42,6 +42,8 @@ class Wire(asyncio.BufferedProtocol):
         self._paused = False
         self._readable: asyncio.Future[bool] | None = None
         self._flushed: asyncio.Future[bool] | None = None
+        #: Everything written is with the kernel (what `is_flushed` tells, without a call).
+        self.flushed_now = True
         #: When the current wait for bytes gives up (on the loop's clock; `on_data` may move
         #: it on), and the one timer that enforces it.
         self.read_deadline = 0.0
@@ -100,9 +102,11 @@ class Wire(asyncio.BufferedProtocol):
     def pause_writing(self) -> None:
         """Note that written bytes are not all with the kernel yet."""
         self._flushed = self.loop.create_future()
+        self.flushed_now = False
 
     def resume_writing(self) -> None:
         """Wake the writers: everything written is with the kernel."""
+        self.flushed_now = True
         if self._flushed is not None:
             _settle(self._flushed, True)
             self._flushed = None
@@ -195,7 +199,7 @@ class Wire(asyncio.BufferedProtocol):
 
     def is_flushed(self) -> bool:
         """Tell whether everything written is with the kernel."""
-        return self._flushed is None
+        return self.flushed_now
 
     async def flushed(self) -> None:
         """Wait until everything written is with the kernel (or the connection is lost)."""
