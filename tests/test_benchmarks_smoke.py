@@ -83,6 +83,12 @@ class TestControlBench:
         }
         _check("bench_control", figures, metrics)
 
+    async def test_control_layer(self, tmp_path: Path) -> None:
+        """The control socket alone reports its loop CPU and calls per send."""
+        figures = await bench_control.control_layer(tmp_path, clients=2, sends=5)
+        metrics = {"control_layer_loop_cpu_per_send_us", "control_layer_loop_calls_per_send"}
+        _check("bench_control", figures, metrics)
+
 
 class TestTimersBench:
     """bench_timers at a tiny size."""

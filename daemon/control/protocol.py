@@ -290,9 +290,29 @@ def decode_request(line: bytes) -> AnyRequest:
         raise ProtocolError("bad_request", str(e), id) from None
     except RecursionError:
         raise ProtocolError("bad_input", f"a value nests deeper than {MAX_NESTING}", id) from None
+    check(line, request)
+    return request
+
+
+def check(line: bytes, request: AnyRequest) -> None:
+    """Raise ProtocolError unless `request`, read from `line`, passes check_nesting and check_names.
+
+    A `send`, the request sent most, is passed in one look at its three names and the line's
+    brackets; whatever that look cannot pass goes through both checks, which say why.
+    """
+    if type(request) is Send:
+        workflow_id, event, thread_id = request.workflow_id, request.event, request.thread_id
+        names = workflow_id + event if thread_id is None else workflow_id + event + thread_id
+        if (
+            0 < len(workflow_id) <= MAX_NAME
+            and 0 < len(event) <= MAX_NAME
+            and (thread_id is None or 0 < len(thread_id) <= MAX_NAME)
+            and _CONTROL.search(names) is None
+            and line.count(b"[") + line.count(b"{") <= MAX_NESTING + 1
+        ):
+            return
     check_nesting(line, request)
     check_names(request)
-    return request
 
 
 #: Fields naming a workflow, an event or a thread: shown in operators' terminals and logs.

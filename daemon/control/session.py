@@ -206,8 +206,7 @@ class Session:
                 if line is None:
                     if took:  # a new line begins: the idle timeout bounds it from now on
                         self._line_since = now = wire.loop.time()
-                        self._deadline = now + limits.idle
-                        wire.wait_until(self._deadline)
+                        self._deadline = wire.read_deadline = now + limits.idle
                     return True
                 took = True
                 if len(line) > limits.max_bytes:
@@ -217,8 +216,8 @@ class Session:
                     continue
                 req = _decode(line)
                 self.in_flight += 1
-                self._all.started()
-                if not (isinstance(req, proto.Send) and self._queued(req)):
+                self._all.count += 1  # `started`, inline on the common path
+                if not (type(req) is proto.Send and self._queued(req)):
                     self._taken = req
                     return False
         except Exception:  # never into the transport; the reader goes on
@@ -243,14 +242,27 @@ class Session:
         return True
 
     def _answer_pending(self, req_id: int | str | None, pending: Pending) -> None:
-        """Write the answer of a request queued by `_queued`; runs inside whoever answered it."""
+        """Write the answer of a request queued by `_queued`; runs inside whoever answered it.
+
+        The common answer (a result, to a client that has read what it was sent before) is
+        encoded once and handed to the kernel right here, in one frame.
+        """
         try:
             try:
                 # proto.ok's dict, built here: a send's result is never a Page.
-                response = {"id": req_id, "ok": True, "result": pending.result()}
+                data = _encode({"id": req_id, "ok": True, "result": pending.result()})
             except Exception as e:  # noqa: BLE001 - every outcome is an answer
-                response = _failure(req_id, e, "send")
-            self._answer_now(response)
+                data = _encode(_failure(req_id, e, "send"))
+            wire = self.wire
+            if self._ended or not wire.flushed_now:
+                self._answer_line(data)  # unread output: its size is checked there
+            elif not wire.write(data) or wire.lost:
+                self.tg.cancel_scope.cancel()  # as `_write_line` does
+                self._answered()
+            elif wire.flushed_now:
+                self._answered()
+            else:
+                self._held_back()  # the peer has yet to take it
         except Exception:  # never into the actor that made the answer
             log.exception("control_request_failed", op="send")
             self._answered()
@@ -347,15 +359,23 @@ class Session:
             await self._flush()
 
     def _answer_now(self, response: dict[str, Any]) -> None:
-        """Write the answer to one request and count it answered, without waiting.
+        """Write the answer to one request and count it answered, without waiting."""
+        self._answer_line(_encode(response))
+
+    def _answer_line(self, data: bytes) -> None:
+        """Write one encoded answer and count its request answered, without waiting.
 
         An answer the peer has yet to take keeps its request's slot until it does, as an
         awaited `reply` would (a client that sends but never reads is read no further); one
         task per connection waits for that.
         """
-        if self._ended or not self._write(response):
+        if self._ended or not self._write_line(data):
             self._answered()
             return
+        self._held_back()
+
+    def _held_back(self) -> None:
+        """Keep an answer's slot until the peer has taken what was written."""
         self._held += 1
         if not self._flushing:
             self._flushing = True
@@ -380,13 +400,11 @@ class Session:
 
     def _write(self, response: dict[str, Any]) -> bool:
         """Queue one response line for the peer; True if it is not with the kernel yet."""
-        try:
-            data = encode(response)
-        except Exception:
-            log.exception("control_encode_failed")
-            message = "the result cannot be encoded as JSON"
-            data = encode(error(response.get("id"), "internal", message))
-        del response  # a client slow to read holds only the bytes not yet sent, not copies
+        # A client slow to read holds only the bytes not yet sent, not copies.
+        return self._write_line(_encode(response))
+
+    def _write_line(self, data: bytes) -> bool:
+        """Queue one encoded response line for the peer; True if it is not with the kernel yet."""
         wire = self.wire
         # Bytes wait in the transport only while it is not flushed (no buffer at all is kept
         # above zero bytes): the usual answer costs no look at the buffer.
@@ -414,6 +432,16 @@ class Session:
         return not wire.is_flushed()
 
 
+def _encode(response: dict[str, Any]) -> bytes:
+    """Return one response line; a result JSON cannot hold is answered as an internal error."""
+    try:
+        return encode(response)
+    except Exception:
+        log.exception("control_encode_failed")
+        message = "the result cannot be encoded as JSON"
+        return encode(error(response.get("id"), "internal", message))
+
+
 def _failure(req_id: int | str | None, e: Exception, op: str) -> dict[str, Any]:
     """Return the answer to a request whose handling raised `e` (logged unless it is a refusal)."""
     if isinstance(e, WorkflowdError):
@@ -430,8 +458,7 @@ def _decode(line: bytes) -> proto.AnyRequest | proto.ProtocolError:
     """Return the request on `line`, or the error to answer it with; never raises."""
     try:
         request: proto.AnyRequest = _requests.decode(line)
-        proto.check_nesting(line, request)
-        proto.check_names(request)
+        proto.check(line, request)
         return request
     except proto.ProtocolError as e:
         return e

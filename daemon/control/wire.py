@@ -42,8 +42,11 @@ class Wire(asyncio.BufferedProtocol):
         self._paused = False
         self._readable: asyncio.Future[bool] | None = None
         self._flushed: asyncio.Future[bool] | None = None
-        #: When the current wait for bytes gives up, and the one timer that enforces it.
-        self._read_deadline = 0.0
+        #: Everything written is with the kernel (what `is_flushed` tells, without a call).
+        self.flushed_now = True
+        #: When the current wait for bytes gives up (on the loop's clock; `on_data` may move
+        #: it on), and the one timer that enforces it.
+        self.read_deadline = 0.0
         self._idle_timer: asyncio.TimerHandle | None = None
         #: Called with what arrived while a reader waits; True: it took what it could and the
         #: reader sleeps on (no task wakes for a request handled right in the callback).
@@ -67,13 +70,10 @@ class Wire(asyncio.BufferedProtocol):
         return self._view
 
     def buffer_updated(self, nbytes: int) -> None:
-        """Take what arrived into the receive buffer."""
-        self.data_received(self._view[:nbytes])
-
-    def data_received(self, data: bytes | memoryview) -> None:
-        """Buffer what arrived; pause reading while too much waits."""
-        self.data += data
-        if len(self.data) > self._limit and not self._paused:
+        """Buffer what arrived in the receive buffer; pause reading while too much waits."""
+        data = self.data
+        data += self._view[:nbytes]
+        if len(data) > self._limit and not self._paused:
             self._paused = True
             self.transport.pause_reading()
         waiter = self._readable
@@ -81,10 +81,6 @@ class Wire(asyncio.BufferedProtocol):
             on_data = self.on_data
             if on_data is None or not on_data():
                 _settle(waiter, True)
-
-    def wait_until(self, deadline: float) -> None:
-        """Move the current wait's deadline (to `deadline`, on the loop's clock)."""
-        self._read_deadline = deadline
 
     def eof_received(self) -> bool:
         """Note the half-close and keep the connection open for the answers."""
@@ -106,9 +102,11 @@ class Wire(asyncio.BufferedProtocol):
     def pause_writing(self) -> None:
         """Note that written bytes are not all with the kernel yet."""
         self._flushed = self.loop.create_future()
+        self.flushed_now = False
 
     def resume_writing(self) -> None:
         """Wake the writers: everything written is with the kernel."""
+        self.flushed_now = True
         if self._flushed is not None:
             _settle(self._flushed, True)
             self._flushed = None
@@ -139,7 +137,7 @@ class Wire(asyncio.BufferedProtocol):
         """Wait up to `idle_s` seconds for more bytes, EOF or loss; False if none came."""
         future: asyncio.Future[bool] = self.loop.create_future()
         self._readable = future
-        self._read_deadline = deadline = self.loop.time() + idle_s
+        self.read_deadline = deadline = self.loop.time() + idle_s
         # One timer outlives the waits: each request would otherwise make and cancel a timer
         # (and leave it in the loop's heap) only for the deadline to move on. A timer due
         # before the new deadline is re-armed when it fires; only an earlier one is made now.
@@ -159,8 +157,8 @@ class Wire(asyncio.BufferedProtocol):
         waiter = self._readable
         if waiter is None or timer is None:
             return  # nobody waits: the next wait arms a timer of its own
-        if self._read_deadline > timer.when():
-            self._idle_timer = self.loop.call_at(self._read_deadline, self._idle_due)
+        if self.read_deadline > timer.when():
+            self._idle_timer = self.loop.call_at(self.read_deadline, self._idle_due)
         else:
             _settle(waiter, False)
 
@@ -201,7 +199,7 @@ class Wire(asyncio.BufferedProtocol):
 
     def is_flushed(self) -> bool:
         """Tell whether everything written is with the kernel."""
-        return self._flushed is None
+        return self.flushed_now
 
     async def flushed(self) -> None:
         """Wait until everything written is with the kernel (or the connection is lost)."""

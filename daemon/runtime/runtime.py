@@ -576,10 +576,13 @@ class Runtime:
         it first. Errors are raised as `send` raises them; the reply holds the handler's output
         once it is durable, or the error that kept it from being applied.
         """
-        self._check_open()
+        scheduler = self.scheduler
+        if scheduler.stopping:
+            self._check_open()  # raises: no call to find that out on the common path
         if self.leases is not None and self._remote(workflow_id) is not None:
             return None  # without leases (SQLite) nothing is remote: no look needed
-        unfit = self.scheduler.hold.incompatible.get(workflow_id)
+        hold = scheduler.hold
+        unfit = hold.incompatible.get(workflow_id)
         if unfit is not None:
             raise Conflict(f"workflow {workflow_id} does not fit the running code: {unfit}")
         loaded = self.cache.touch(workflow_id)
@@ -587,7 +590,8 @@ class Runtime:
             return None
         if loaded.state.status in FINAL_STATUSES:
             raise CallbackNotFound(f"workflow {workflow_id} is {loaded.state.status}")
-        if self.scheduler.hold.holds(workflow_id):
+        # Not unfit (looked at above), so only `--hold` can hold it: one look when nothing is.
+        if hold.held and hold.holds(workflow_id):
             raise Unavailable(f"workflow {workflow_id} is held: resume it, or send with no wait")
         reply = Reply()
         req = CallbackRequest(workflow_id, thread_id or "", event, pc or 0)

@@ -12,22 +12,32 @@ resume it starts are one checkpoint; `commits_per_callback_*`: below 1 when grou
 batches several clients' callbacks). The daemon's CPU per callback is split by thread
 (`loop_`, `writer_`, `log_cpu_per_callback_*`, from /proc's schedstat of each thread): only
 the daemon's threads count there, never this process's clients.
+
+`control_layer` measures the control socket alone, in this process: the same clients against
+`serve()` over a backend that answers each `send` at once (no actor, no commit), with the
+event loop's CPU (the best of three rounds) and its Python function calls (cProfile, a round
+of its own) per send.
 """
 
 from __future__ import annotations
 
+import cProfile
 import json
+import pstats
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 from prometheus_client.parser import text_string_to_metric_families
 
+from daemon.control.server import serve
 from tests.helpers.harness import Daemon
 from tests.helpers.http import fetch
+from tests.helpers.memory import MemoryBackend
 
 from .bench_timers import loop_cpu_s, thread_cpu_s
 from .bench_workflows import Pinged
@@ -158,4 +168,62 @@ async def run(tmp: Path, rounds: dict[int, int] | None = None, warmup: int = WAR
             counts = {json.loads(data)["count"] for (data,) in rows}
             if counts != {expected}:
                 raise AssertionError(f"stored counts {counts}, expected {expected} each")
+    return figures
+
+
+#: Rounds of `control_layer` whose CPU is measured; the least per send is printed.
+CONTROL_LAYER_ROUNDS = 3
+
+
+class _Answered:
+    """An answer that is in already: what `send_now` hands back for an instant send."""
+
+    def then(self, callback: Callable[[], None]) -> None:
+        callback()
+
+    def result(self) -> Any:
+        return 1
+
+
+class _Instant(MemoryBackend):
+    """A backend whose every waited-for `send` is answered at once, in the data callback."""
+
+    def send_now(  # type: ignore[override]  # the fake's None means "dispatch it"
+        self,
+        workflow_id: str,
+        event: str,
+        input: Any = None,
+        *,
+        thread_id: str | None = None,
+        pc: int | None = None,
+    ) -> _Answered:
+        return _Answered()
+
+
+async def control_layer(tmp: Path, clients: int = 16, sends: int = 500) -> list[dict[str, Any]]:
+    """Return the event loop's CPU and calls per `send` of the control socket alone."""
+    path = tmp / "control.sock"
+    figures: list[dict[str, Any]] = []
+    async with anyio.create_task_group() as tg:
+        await tg.start(lambda task_status: serve(_Instant(), socket_path=path,
+                                                 task_status=task_status))  # fmt: skip
+        await anyio.to_thread.run_sync(_clients, path, "warm", clients, 20)
+        per_send = []
+        for _ in range(CONTROL_LAYER_ROUNDS):  # the best round: the box's noise only adds
+            cpu = time.thread_time()  # this thread runs the event loop, the clients their own
+            done = len(await anyio.to_thread.run_sync(_clients, path, "cpu", clients, sends))
+            per_send.append((time.thread_time() - cpu) / done)
+        profile = cProfile.Profile()  # only this thread's calls: the loop's
+        profile.enable()
+        profiled = len(await anyio.to_thread.run_sync(_clients, path, "calls", clients, sends))
+        profile.disable()
+        tg.cancel_scope.cancel()
+    calls = pstats.Stats(profile).total_calls  # type: ignore[attr-defined]
+    context = {"bench": "control", "mode": "in_process", "clients": clients, "sends_each": sends}
+    measured = {
+        "control_layer_loop_cpu_per_send_us": ("us", round(min(per_send) * 1e6, 1)),
+        "control_layer_loop_calls_per_send": ("", round(calls / profiled, 1)),
+    }
+    for metric, (unit, value) in measured.items():
+        figures.append({"metric": metric, "unit": unit, "value": value, "target": None, **context})
     return figures

@@ -26,6 +26,7 @@ BENCHMARKS: list[str] = [
     "bench_store:bench_group_commit",
     "bench_runtime",
     "bench_control",
+    "bench_control:control_layer",
     "bench_timers",
     "bench_schedules",
     "bench_postgres",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import anyio
 
 from tests.helpers.client import Client
 from tests.helpers.harness import running_daemon
-from tests.helpers.wait import logged, settled, wait_status
+from tests.helpers.wait import logged, settled, shown_when, wait_status
 
 MODULES = ["tests.workflows.callbacks"]
 
@@ -99,6 +100,41 @@ async def test_sends_then_a_half_close_still_get_every_answer(short_tmp: Path) -
             assert sorted(a["result"] for a in answers) == list(
                 range(40 * round_ + 1, 40 * round_ + 41)
             )
+
+
+def _counted(shown: dict[str, Any], *, at_least: int) -> bool:
+    return int(shown["data"]["count"]) >= at_least
+
+
+def _send_all_then_close(path: Path, lines: bytes) -> None:
+    """Send `lines` in one write and close the connection at once, reading nothing."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(30)
+        s.connect(str(path))
+        s.sendall(lines)
+
+
+async def test_sends_from_a_client_gone_before_its_answers_are_each_applied_once(
+    short_tmp: Path,
+) -> None:
+    """A client that sends and closes at once: every send it wrote is applied, once each.
+
+    Its answers find nobody to write to (the send-time path's lost-peer branch); the
+    connection's slots are freed, so the next client is served as ever.
+    """
+    sends = 12  # fewer than a connection's slots: all are taken as their bytes arrive
+    async with running_daemon(short_tmp, MODULES) as d, d.client() as c:
+        await c.call("start", workflow="BumpCounter", workflow_id="g")
+        await wait_status(c, "g", "Waiting")
+        for round_ in range(1, 4):
+            lines = b"".join(
+                _line(id=n, op="send", workflow_id="g", event="bump", input=1) for n in range(sends)
+            )
+            await anyio.to_thread.run_sync(_send_all_then_close, d.socket, lines)
+            shown = await shown_when(c, "g", partial(_counted, at_least=round_ * sends))
+            assert shown["data"]["count"] == round_ * sends, shown
+        await settled(c)
+        assert await c.call("send", workflow_id="g", event="bump", input=1) == 3 * sends + 1
 
 
 async def test_a_client_not_reading_send_answers_is_read_no_further(short_tmp: Path) -> None:

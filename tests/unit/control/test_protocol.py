@@ -21,6 +21,9 @@ from daemon.control.protocol import (
     ProtocolError,
     Send,
     Start,
+    check,
+    check_names,
+    check_nesting,
     decode_request,
     decode_response,
     encode,
@@ -144,6 +147,53 @@ class TestDecodeRequest:
     def test_round_trip(self, req: Start) -> None:
         """What a client encodes, the daemon decodes to the same request."""
         assert decode_request(encode(req)) == req
+
+
+def _both_checks(line: bytes, req: Send) -> tuple[str, str, object] | None:
+    """Return what check_nesting and then check_names raise for `req`, or None."""
+    try:
+        check_nesting(line, req)
+        check_names(req)
+    except ProtocolError as e:
+        return e.code, e.message, e.id
+    return None
+
+
+#: Names around the limits: empty, 1, MAX_NAME and one over, control characters (C0, DEL, C1).
+_NAMES = st.sampled_from(["", "w", "x" * 200, "x" * 201, "a\x1bb", "\x7f", "é\x85", "ok-1"])
+
+
+class TestSendCheck:
+    """`check`, which passes a common `send` in one look, says what the two full checks say."""
+
+    @given(
+        workflow_id=_NAMES,
+        event=_NAMES,
+        thread_id=st.none() | _NAMES,
+        depth=st.sampled_from([0, 1, MAX_NESTING - 1, MAX_NESTING, MAX_NESTING + 1, 100]),
+        braces=st.booleans(),
+    )
+    def test_same_outcome_as_the_full_checks(
+        self, workflow_id: str, event: str, thread_id: str | None, depth: int, braces: bool
+    ) -> None:
+        """Every name length, control character and nesting depth: the same error, or none."""
+        opening, closing = (b'{"k":', b"}") if braces else (b"[", b"]")
+        value = opening * depth + b"1" + closing * depth
+        req = Send(id=7, workflow_id=workflow_id, event=event, thread_id=thread_id)
+        line = encode(req)[:-2] + b', "input": ' + value + b"}"
+        try:
+            check(line, req)
+            got = None
+        except ProtocolError as e:
+            got = (e.code, e.message, e.id)
+        assert got == _both_checks(line, req)
+
+    def test_brackets_inside_strings_do_not_count(self) -> None:
+        """Many brackets in a string pass, as check_nesting lets them."""
+        line = b'{"op": "send", "workflow_id": "w", "event": "e", "input": "%s"}' % (b"[" * 500)
+        req = decode_request(line)
+        assert isinstance(req, Send)
+        check(line, req)
 
 
 class TestCodes:
