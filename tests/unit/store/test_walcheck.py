@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -13,7 +14,22 @@ from daemon.store.sqlite import SQLiteStore
 from daemon.store.walcheck import AUTOCHECKPOINT_PAGES, RING_EVERY, WalCheckpointer
 from daemon.store.writer import GroupWriter
 from tests.helpers.wait import until
-from tests.unit.store.test_writer import connect, insert
+
+
+def connect(db: Path) -> sqlite3.Connection:
+    """Open a write connection as the store does, on a table `t`."""
+    conn = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+    conn.executescript("PRAGMA journal_mode = WAL; CREATE TABLE IF NOT EXISTS t (k INTEGER);")
+    return conn
+
+
+def insert(k: int) -> Callable[[sqlite3.Connection], None]:
+    """Return a write that inserts `k`."""
+
+    def apply(conn: sqlite3.Connection) -> None:
+        conn.execute("INSERT INTO t VALUES (?)", (k,))
+
+    return apply
 
 
 def checkpointer_threads() -> list[threading.Thread]:
