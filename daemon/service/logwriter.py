@@ -29,7 +29,9 @@ class Batcher:
     record of a loop turn schedules one kick (call_soon) that wakes the writer at the end of
     that turn, only if it sleeps: a writer still busy takes the new records when it is done.
     No timer is armed, so neither the loop nor the writer wakes when there is nothing to
-    write. Records from outside a loop (worker threads, start-up, tests) and error records are
+    write. A woken writer lingers LINGER_S before it takes the queue, so the records of the
+    turns that follow ride along: one wake-up and one write per few requests, not per turn.
+    Records from outside a loop (worker threads, start-up, tests) and error records are
     written at once, after whatever is still queued, so nothing is reordered.
     """
 
@@ -37,8 +39,13 @@ class Batcher:
         self._emit = emit
         self._queue: deque[Record] = deque()
         self._lock = threading.Lock()  # one writer at a time, in queue order
-        self._wake = threading.Condition(threading.Lock())
-        self._idle = False  # the thread waits on `_wake`: only then does a kick notify it
+        # The idle thread blocks acquiring the bell; the kick that finds it idle (under
+        # `_flag`) releases it: two C calls for the waker, where a Condition's notify and
+        # wait cost a dozen Python calls and a new lock per wait.
+        self._flag = threading.Lock()
+        self._bell = threading.Lock()
+        self._bell.acquire()
+        self._idle = False  # the thread waits on the bell: only then does a kick ring it
         self._kick_loop: asyncio.AbstractEventLoop | None = None  # the loop a kick is due on
         self._kick_thread = 0  # that loop's thread
         self._closed = False
@@ -73,11 +80,11 @@ class Batcher:
 
     def _notify(self) -> None:
         """Wake the writer if it sleeps; a busy one looks at the queue again before sleeping."""
-        with self._wake:
+        with self._flag:
             if self._idle:
                 self._idle = False
                 self.wakes += 1
-                self._wake.notify()
+                self._bell.release()
 
     def flush(self) -> None:
         """Write everything queued so far, on the calling thread."""
@@ -89,24 +96,29 @@ class Batcher:
     def close(self) -> None:
         """Write what is queued and stop the writer; later records are written at once."""
         self._kick_loop, self._kick_thread = None, 0  # no record may wait for a kick any more
-        with self._wake:
+        with self._flag:
             self._closed = True
-            self._wake.notify()
+            if self._idle:
+                self._idle = False
+                self._bell.release()
         self._thread.join(timeout=5)
         self.flush()
 
     def _run(self) -> None:
         name_os_thread("wd-log")
+        flag, bell = self._flag, self._bell
         while True:
-            with self._wake:
-                # The queue is checked under the lock a kick takes: a record queued before
-                # its kick is either seen here or its kick finds the thread idle.
-                while not self._queue and not self._closed:
-                    self._idle = True
-                    self._wake.wait()
-                self._idle = False
-                if self._closed:
-                    return  # close() flushes what is left on its own thread
+            # The queue is checked under the lock a kick takes: a record queued before its
+            # kick is either seen here or its kick finds the thread idle and rings.
+            with flag:
+                sleep = not self._queue and not self._closed
+                self._idle = sleep
+            if sleep:
+                bell.acquire()
+                if not self._closed:
+                    _sleep(LINGER_S)  # gives up the GIL meanwhile
+            if self._closed:
+                return  # close() flushes what is left on its own thread
             try:
                 self.flush()
             except Exception:  # a broken stream must not kill the writer; the next batch retries
@@ -116,6 +128,10 @@ class Batcher:
 #: Records rendered and written together at most; a turn that queues this many wakes the
 #: writer before the turn ends.
 BATCH = 512
+#: How long a woken writer waits for more records before it writes (error records never
+#: wait: they are written at once, after these).
+LINGER_S = 0.005
+_sleep = time.sleep
 
 
 #: The event loop running on this thread, or None; no exception to catch, unlike

@@ -146,6 +146,37 @@ SET_STATUS = (
 ADD_HISTORY = (
     "UPDATE workflows SET history_seq = history_seq + ? WHERE id = ? RETURNING history_seq"
 )
+#: A checkpoint's common case (one history entry or none, no inbox rows) as one statement:
+#: an INSERT into this view runs the UPDATE, the history row and its trim in the trigger,
+#: so the writer thread makes one call per checkpoint (one per batch with executemany) and,
+#: for a lone one, no BEGIN and COMMIT either (the statement is its own transaction).
+#: TEMP: made on the writer's connection each time it opens; nothing of it is stored.
+#: A workflow that is not there raises MISSING, and the statement changes nothing.
+MISSING = "workflowd: no such workflow"
+INSERT_CHECKPOINT = "INSERT INTO temp.checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+
+
+def checkpoint_view(keep: int) -> str:
+    """Return the script that makes INSERT_CHECKPOINT's view, keeping `keep` history rows."""
+    return f"""
+    CREATE TEMP VIEW checkpoints (
+        id, status, data, state, error, attempt, next_run_at, updated_at, n, kind, detail
+    ) AS SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL WHERE 0;
+    CREATE TEMP TRIGGER checkpoints_apply INSTEAD OF INSERT ON checkpoints BEGIN
+        UPDATE workflows SET status = NEW.status, data = NEW.data, state = NEW.state,
+            error = NEW.error, attempt = NEW.attempt, next_run_at = NEW.next_run_at,
+            updated_at = NEW.updated_at, history_seq = history_seq + NEW.n
+        WHERE id = NEW.id;
+        SELECT RAISE(ABORT, '{MISSING}') WHERE changes() = 0;
+        INSERT INTO history (workflow_id, seq, at, kind, detail)
+            SELECT NEW.id, history_seq, NEW.updated_at, NEW.kind, NEW.detail
+            FROM workflows WHERE NEW.n AND id = NEW.id;
+        DELETE FROM history WHERE NEW.n AND workflow_id = NEW.id
+            AND seq <= (SELECT history_seq FROM workflows WHERE id = NEW.id) - {int(keep)};
+    END;
+    """
+
+
 INSERT_HISTORY = "INSERT INTO history (workflow_id, seq, at, kind, detail) VALUES (?, ?, ?, ?, ?)"
 TRIM_HISTORY = "DELETE FROM history WHERE workflow_id = ? AND seq <= ?"
 SCHEDULE_COLS = "name, last_nominal, paused, buffered, last_workflow_id, last_fire_at"

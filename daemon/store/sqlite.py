@@ -37,6 +37,12 @@ from daemon.store.base import (
 )
 from daemon.store.reads import Dialect, Reads
 from daemon.store.schema import FINAL, Entries
+from daemon.store.walcheck import (
+    AUTOCHECKPOINT_PAGES,
+    RING_EVERY,
+    WRITES_PER_COMMIT,
+    WalCheckpointer,
+)
 from daemon.store.writer import ApplyMany, GroupWriter, statement
 
 T = TypeVar("T")
@@ -101,6 +107,11 @@ def _connect_writer(path: Path, pragmas: str) -> sqlite3.Connection:
     return conn
 
 
+async def _stop_checkpoints(checkpointer: WalCheckpointer) -> None:
+    with anyio.CancelScope(shield=True):  # a checkpoint under way may take a sync to finish
+        await anyio.to_thread.run_sync(checkpointer.close)
+
+
 class SQLiteStore(Reads):
     """The daemon's SQLite database; one writer thread commits every write in groups.
 
@@ -116,9 +127,19 @@ class SQLiteStore(Reads):
         keep: int,
         metrics: Metrics | None = None,
         lister: aiosqlite.Connection | None = None,
+        checkpointer: WalCheckpointer | None = None,
     ) -> None:
         self.path = path
-        self._writes = GroupWriter(writer, metrics)
+        self._flat: ApplyMany = self._flat_checkpoints  # kept: compared by identity
+        self._writes = GroupWriter(
+            writer,
+            metrics,
+            checkpoint=None if checkpointer is None else checkpointer.ring,
+            ring_every=RING_EVERY,
+            writes_per_commit=WRITES_PER_COMMIT,
+            one_statement=(self._flat,),
+        )
+        self.checkpointer = checkpointer
         self.stats = self._writes.stats
         #: Made once each, so that neighbouring writes of one kind are grouped by identity.
         self._many: dict[str, ApplyMany] = {
@@ -166,15 +187,30 @@ class SQLiteStore(Reads):
                 migrator = await schema.connect(stack, path, base)
                 await schema.migrate(migrator, path)
                 await migrator.close()
+                # The writer's own automatic checkpoint is only a safety net: checkpoints run
+                # on the checkpointer's connection and thread (walcheck.py says why).
                 writer = await anyio.to_thread.run_sync(
-                    _connect_writer, path, f"{base} PRAGMA synchronous = {sync};"
+                    _connect_writer,
+                    path,
+                    f"{base} PRAGMA synchronous = {sync};"
+                    f" PRAGMA wal_autocheckpoint = {AUTOCHECKPOINT_PAGES};"
+                    + schema.checkpoint_view(history_keep),
                 )
                 stack.callback(writer.close)  # the writer thread closes it; this if it never ran
+                checkpointer = WalCheckpointer(
+                    await anyio.to_thread.run_sync(
+                        _connect_writer, path, f"{base} PRAGMA synchronous = {sync};"
+                    )
+                )
+                # Stopped after the writer, whose last commits may still ring (the writer is
+                # closed in the body below, before the stack unwinds).
+                stack.push_async_callback(_stop_checkpoints, checkpointer)
                 reader = await schema.connect(stack, path, f"{base} PRAGMA query_only = 1;")
                 lister = await schema.connect(stack, path, f"{base} PRAGMA query_only = 1;")
             except (OSError, sqlite3.Error) as e:
                 raise StoreUnusable(f"cannot open {path}: {type(e).__name__}: {e}") from None
-            store = cls(path, writer, reader, history_keep, metrics, lister)
+            store = cls(path, writer, reader, history_keep, metrics, lister, checkpointer)
+            checkpointer.start()
             store._writes.start()
             try:
                 yield store
@@ -308,6 +344,20 @@ class SQLiteStore(Reads):
         # here (what _update and _update_of do, less two coroutine frames and two calls).
         now = get_clock().now()
         n = len(history)
+        if n <= 1 and not inbox_done:  # the common case: one row, one statement
+            kind: str | None = None
+            text: str | None = None
+            if n:
+                ((kind, detail),) = history
+                text = _encode(detail).decode()
+            w = self._writes.put_many(
+                self._flat,
+                (workflow_id, status, data, state, error, attempt, next_run_at, now, n, kind, text),
+            )
+            await w
+            if w.error is not None:
+                raise w.error
+            return
         if n == 1:
             ((kind, detail),) = history
             rows = [(0, now, kind, _encode(detail).decode(), workflow_id)]
@@ -327,6 +377,28 @@ class SQLiteStore(Reads):
         await w
         if w.error is not None:
             raise w.error
+
+    @staticmethod
+    def _flat_checkpoints(
+        conn: sqlite3.Connection, rows: builtins.list[Any]
+    ) -> builtins.list[None]:
+        """Apply a run of common-case checkpoints with one statement (one executemany).
+
+        A run that misses a workflow raises, and the writer then retries its writes one by
+        one, naming the missing one.
+        """
+        try:
+            if len(rows) == 1:
+                conn.execute(schema.INSERT_CHECKPOINT, rows[0])
+            else:
+                conn.executemany(schema.INSERT_CHECKPOINT, rows)
+        except sqlite3.IntegrityError as e:
+            if str(e) != schema.MISSING:
+                raise
+            if len(rows) == 1:
+                raise WorkflowNotFound(f"no workflow {rows[0][0]!r}") from None
+            raise WorkflowNotFound("a batched update missed its workflow") from None
+        return [None] * len(rows)
 
     async def set_status(
         self,

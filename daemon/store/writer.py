@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import errno
 import os
 import sqlite3
 import threading
@@ -28,6 +30,27 @@ Apply = Callable[[sqlite3.Connection], Any]
 ApplyMany = Callable[[sqlite3.Connection, list[Any]], list[Any]]
 #: How long the thread waits before serving again after a crash, at most.
 CRASH_BACKOFF_MAX_S = 1.0
+
+
+def _write_holding_the_gil() -> Callable[[int, bytes, int], int] | None:
+    """Return libc's write(2) called without releasing the GIL, or None where there is none.
+
+    os.write releases the GIL around the call: the loop it wakes takes the GIL at once and
+    the writer thread then waits for the loop's whole turn to get it back, for the few
+    lines it has left before it sleeps (two hand-offs of the GIL per batch, not one). A
+    one-byte write to a non-blocking pipe never blocks, so it may hold the GIL.
+    """
+    try:
+        fn = ctypes.PyDLL(None, use_errno=True).write
+    except (OSError, AttributeError):  # no libc to load (not Linux or macOS)
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t)
+    fn.restype = ctypes.c_ssize_t
+    written: Callable[[int, bytes, int], int] = fn
+    return written
+
+
+_raw_write = _write_holding_the_gil()
 
 
 @dataclass(slots=True)
@@ -138,6 +161,22 @@ def _commit_batch(conn: sqlite3.Connection, batch: list[_Write]) -> tuple[int, i
     return commits, len(batch) - commits, True
 
 
+def _commit_alone(conn: sqlite3.Connection, w: _Write) -> tuple[int, int, bool]:
+    """Commit one write of a single statement as its own transaction; as _commit_batch returns."""
+    assert w.many is not None
+    try:
+        (w.value,) = w.many(conn, [w.item])
+        return 1, 0, False
+    except Exception as e:  # noqa: BLE001 - the caller re-raises it as is
+        # A failed statement in autocommit mode has rolled itself back; this never runs
+        # unless it left a transaction open all the same.
+        if conn.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+        w.error = e
+        return 0, 1, False
+
+
 def _run_alone(conn: sqlite3.Connection, w: _Write) -> None:
     try:
         assert w.apply is not None
@@ -166,8 +205,27 @@ class GroupWriter:
     is the thread's alone from `start` on; it is closed by the thread when it stops.
     """
 
-    def __init__(self, conn: sqlite3.Connection, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        metrics: Metrics | None = None,
+        *,
+        checkpoint: Callable[[], None] | None = None,
+        ring_every: int = 64,
+        writes_per_commit: int = 32,
+        one_statement: tuple[ApplyMany, ...] = (),
+    ) -> None:
         self.stats = StoreStats()
+        # Asks for a WAL checkpoint off the commit path (WalCheckpointer.ring) every
+        # `ring_every` commits, a batch of n writes counting 1 + n // writes_per_commit.
+        self._checkpoint = checkpoint
+        self._ring_every = ring_every
+        self._per_commit = writes_per_commit
+        self._until_ring = ring_every
+        # ApplyManys that write with one statement: a batch of one such write runs it in
+        # autocommit mode, its own transaction (no BEGIN and COMMIT: two calls fewer, each
+        # of which gives up the GIL and takes it back).
+        self._one_statement = one_statement
         self._metrics = metrics
         self._conn = conn
         self._lock = threading.Lock()
@@ -335,9 +393,17 @@ class GroupWriter:
                 posted = self._post(self._finished, batch)
             else:
                 began = time.perf_counter()
-                commits, failed, split = _commit_batch(conn, batch)
+                if len(batch) == 1 and batch[0].many in self._one_statement:
+                    commits, failed, split = _commit_alone(conn, batch[0])
+                else:
+                    commits, failed, split = _commit_batch(conn, batch)
                 took = time.perf_counter() - began
                 posted = self._post(self._committed, batch, commits, failed, split, took)
+                if self._checkpoint is not None:  # after the post: the loop is woken first
+                    self._until_ring -= commits + len(batch) // self._per_commit
+                    if self._until_ring <= 0:
+                        self._until_ring = self._ring_every
+                        self._checkpoint()
             if not posted:
                 return
             self._current = []
@@ -359,10 +425,13 @@ class GroupWriter:
             self._posts_due = True
         if loop.is_closed():  # nobody awaits these any more
             return False
-        try:
-            os.write(self._wake_w, b"\0")  # at most one byte unread: it never fills
-        except OSError:  # closed by _ended: the loop took its last post
-            return False
+        if _raw_write is None:
+            try:
+                os.write(self._wake_w, b"\0")  # at most one byte unread: it never fills
+            except OSError:  # closed by _ended: the loop took its last post
+                return False
+        elif _raw_write(self._wake_w, b"\0", 1) < 0 and ctypes.get_errno() != errno.EAGAIN:
+            return False  # closed by _ended: the loop took its last post
         return True
 
     def _run_posts(self) -> None:

@@ -16,6 +16,7 @@ import pytest
 import structlog
 
 from daemon.service import log as log_module
+from daemon.service import logwriter
 from daemon.service.log import LogHub, close_logging, configure_logging, flush_logs, set_level
 from tests.helpers.wait import until
 
@@ -324,6 +325,55 @@ class TestBatching:
         assert [(r["turn"], r["n"]) for r in lines(out)] == [
             (t, n) for t in range(10) for n in range(3)
         ]
+
+    async def test_a_woken_writer_lingers_and_takes_the_next_turns_along(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Records of the turns after the one that woke the writer share its wake and write."""
+        gate = threading.Event()
+        lingered: list[float] = []
+
+        def linger(seconds: float) -> None:
+            lingered.append(seconds)
+            gate.wait(10)  # the test's turns run meanwhile; no clock decides what rides along
+
+        monkeypatch.setattr(logwriter, "_sleep", linger)
+        out = _CountingStream()
+        configure_logging("info", "json", out, cache=False)
+        batcher = log_module._batcher[0]
+        await until(lambda: batcher._idle, limit_s=5)  # asleep: the first record wakes it
+        log = structlog.get_logger()
+        log.info("e", turn=0)
+        await until(lambda: bool(lingered), limit_s=5)  # woken, and lingering
+        for turn in range(1, 6):
+            await asyncio.sleep(0)
+            log.info("e", turn=turn)
+        await asyncio.sleep(0)
+        assert batcher.wakes == 1 and out.writes == 0
+        gate.set()
+        await until(lambda: len(lines(out)) == 6, limit_s=5)
+        assert out.writes == 1 and batcher.wakes == 1
+        assert [r["turn"] for r in lines(out)] == list(range(6))
+        assert lingered == [logwriter.LINGER_S]
+
+    async def test_an_error_does_not_wait_for_the_linger(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A lingering writer holds no error back: it is written at once, after the queue."""
+        gate = threading.Event()
+        monkeypatch.setattr(logwriter, "_sleep", lambda seconds: gate.wait(10))
+        out = _CountingStream()
+        configure_logging("info", "json", out, cache=False)
+        batcher = log_module._batcher[0]
+        await until(lambda: batcher._idle, limit_s=5)
+        log = structlog.get_logger()
+        try:
+            log.info("before")
+            await until(lambda: batcher.wakes == 1, limit_s=5)
+            log.error("broke")
+            assert [r["event"] for r in lines(out)] == ["before", "broke"]
+        finally:
+            gate.set()
 
     async def test_errors_are_written_at_once_after_what_was_queued(self) -> None:
         """An error record is on the stream when the call returns, after the records before it."""
