@@ -153,16 +153,16 @@ ADD_HISTORY = (
 #: TEMP: made on the writer's connection each time it opens; nothing of it is stored.
 #: A workflow that is not there raises MISSING, and the statement changes nothing.
 MISSING = "workflowd: no such workflow"
-INSERT_CHECKPOINT = "INSERT INTO temp.checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+INSERT_CHECKPOINT = "INSERT INTO temp.wd_checkpoint VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 
 
 def checkpoint_view(keep: int) -> str:
     """Return the script that makes INSERT_CHECKPOINT's view, keeping `keep` history rows."""
     return f"""
-    CREATE TEMP VIEW checkpoints (
+    CREATE TEMP VIEW wd_checkpoint (
         id, status, data, state, error, attempt, next_run_at, updated_at, n, kind, detail
     ) AS SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL WHERE 0;
-    CREATE TEMP TRIGGER checkpoints_apply INSTEAD OF INSERT ON checkpoints BEGIN
+    CREATE TEMP TRIGGER wd_checkpoint_apply INSTEAD OF INSERT ON wd_checkpoint BEGIN
         UPDATE workflows SET status = NEW.status, data = NEW.data, state = NEW.state,
             error = NEW.error, attempt = NEW.attempt, next_run_at = NEW.next_run_at,
             updated_at = NEW.updated_at, history_seq = history_seq + NEW.n

@@ -60,7 +60,7 @@ class TestFlat:
             await save(store, "a", 7)
             await store._writes.call(lambda conn: conn.set_trace_callback(None))
             # Each statement of the trigger is traced as the statement that runs it.
-            assert traced and all(s.startswith("INSERT INTO temp.checkpoints") for s in traced)
+            assert traced and all(s.startswith("INSERT INTO temp.wd_checkpoint") for s in traced)
             assert not await store._writes.call(lambda conn: conn.in_transaction)
             other = sqlite3.connect(db)
             try:
