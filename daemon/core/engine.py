@@ -217,6 +217,57 @@ class Start:
         r.ready.pop(self.thread.id, None)
         return True
 
+    def follow(self) -> Step | None:
+        """Move the thread past this Start's step (finished in place); return its next Step.
+
+        What `then` does for a runner's chain, with no Start made per step: the Step returned
+        is not begun (run it after `take`, or report `moved`); None is then's None.
+        """
+        r, t = self.resumer, self.thread
+        if r.error is not None:
+            raise WorkflowdError("Start.follow: the engine has an error to raise first")
+        # What r.stepped(t) does, inline (this runs for every step of a chain).
+        t.status = _RESUMING
+        t.pc += 1
+        r.state.pc += 1
+        r._root = r._defn = None
+        if r.ready:
+            r.ready.clear()
+        if r.cases:
+            r.cases.clear()
+        try:
+            r.budget -= 1
+            if r.budget < 0:
+                raise r.runaway(t)
+            r.advance(t)
+        except Exception as e:  # noqa: BLE001 - raised by the engine once it has the thread back
+            r.error = e
+            return None
+        step = r.ready.get(t.id)
+        if step is None or (len(r.state.threads) > 1 and not r.alone(t)):
+            return None
+        return step
+
+    def take(self, step: Step) -> bytes | None:
+        """Begin `step` (from `follow`) as this Start's step; return the data's undo, or None.
+
+        What `begin` and `fork(alone=True)` do: the transition is counted, and the data as it
+        is now is returned, to be put back (`wf.restore`) if the step fails. None: do not run
+        it (out of transitions: the engine raises that error).
+        """
+        r = self.resumer
+        r.budget -= 1
+        if r.budget < 0:
+            r.error = r.runaway(self.thread)
+            return None
+        r.ready.pop(self.thread.id, None)
+        self.step = step
+        return _encoder.encode(r.wf)
+
+    def forked(self, undo: bytes) -> Fork:
+        """Return the Fork of this Start's step run in place from `undo` (see `take`)."""
+        return Fork(self.resumer.wf, self.step, {}, undo=undo)
+
 
 def _ignore_conflict(path: str, step: str, thread_id: str) -> None:
     return None
