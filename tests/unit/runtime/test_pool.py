@@ -230,16 +230,19 @@ class Chained(Run):
     """Drives `resume` with a pool that chains, recording each checkpoint's data and count."""
 
     def __init__(
-        self, wf: Counter | AsyncCounter, clock: FakeClock, room: int, chain_s: float = 60.0
+        self, wf: Counter | AsyncCounter | Named, clock: FakeClock, room: int, chain_s: float = 60.0
     ) -> None:
         super().__init__(wf, clock)
         self.room, self.chain_s = room, chain_s
         #: (kind, wf.i, checkpoints it stands for) for each checkpoint, the pool's own too.
         self.taken: list[tuple[str, int, int]] = []
+        #: (step, outcome) of each attempt, as the pool observed it.
+        self.observed: list[tuple[str, str]] = []
 
     def take(self, kind: str) -> None:
-        assert isinstance(self.wf, Counter | AsyncCounter) and self.pool is not None
-        self.taken.append((kind, self.wf.i, 1 + self.pool.take_chained()))
+        assert self.pool is not None
+        done = self.wf.i if isinstance(self.wf, Counter | AsyncCounter) else len(self.wf.ran)
+        self.taken.append((kind, done, 1 + self.pool.take_chained()))
 
     async def checkpoint(self, kind: CheckpointType) -> None:
         self.saves.append(kind)
@@ -249,8 +252,17 @@ class Chained(Run):
     async def save(self) -> None:
         self.take("pool")
 
+    def observe(self, step: str, outcome: str, seconds: float) -> None:
+        assert seconds >= 0
+        self.observed.append((step, outcome))
+
     def options(self) -> dict[str, Any]:
-        return {"room": lambda: self.room, "save": self.save, "chain_s": self.chain_s}
+        return {
+            "room": lambda: self.room,
+            "save": self.save,
+            "chain_s": self.chain_s,
+            "observe": self.observe,
+        }
 
 
 class TestChain:
@@ -307,6 +319,44 @@ class TestChain:
         assert isinstance(run.wf, Counter) and run.wf.i == 10
         assert run.notes.count("step_done") == 10
         assert sum(count for kind, _, count in run.taken if kind != "stepsStarted") == 10
+        # Each attempt is observed once: the four before the failure, it, and the rest.
+        assert run.observed == [("inc", "done")] * 4 + [("inc", "failed")] + [("inc", "done")] * 6
+
+    async def test_a_chained_async_step_that_fails_is_undone_and_retried(self) -> None:
+        """On the loop as in a worker thread: the failing step's changes are undone (not the
+        chain's first step's data put back), the steps before it checkpointed first."""
+        _FAILED.clear()
+        clock = FakeClock()
+        run = Chained(AsyncCounter(n=10, fail_at=4), clock, room=31)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run.resume, Settings(retry_initial_s=5))
+            with anyio.fail_after(10):
+                await until(lambda: len(run.retries) >= 1)
+                assert run.taken[-1] == ("pool", 4, 4)
+                assert isinstance(run.wf, AsyncCounter) and run.wf.i == 4
+                clock.advance(5)
+        assert [r["attempt"] for r in run.retries] == [1]
+        assert isinstance(run.wf, AsyncCounter) and run.wf.i == 10
+        assert run.notes.count("step_done") == 10
+        assert run.observed == [("inc", "done")] * 4 + [("inc", "failed")] + [("inc", "done")] * 6
+
+    async def test_show_tells_the_chained_step_running_now(self) -> None:
+        """`running` names the step of the chain that runs now, since when it runs."""
+        _GATE.__init__()  # type: ignore[misc] # a fresh gate for this test
+        _ENTERED.clear()
+        run = Chained(Named(), FakeClock(), room=31)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run.resume, Settings())
+            with anyio.fail_after(10):
+                await anyio.to_thread.run_sync(_GATE.entered.wait, 10)
+                assert run.pool is not None
+                (shown,) = [r.shown() for r in run.pool.running.values()]
+                _GATE.open.set()
+        assert shown["step"] == "s3"
+        assert _ENTERED["s2"] <= shown["running_since"] <= _ENTERED["s3"]
+        assert isinstance(run.wf, Named) and run.wf.ran == ["s0", "s1", "s2", "s3", "s4"]
+        assert run.notes.count("step_done") == 5
+        assert run.observed == [(f"s{i}", "done") for i in range(5)]
 
     async def test_a_stop_ends_the_chain_after_the_running_step(self) -> None:
         """A stop (shutdown) lets the running step finish and starts no next one."""
@@ -360,13 +410,38 @@ class TestChain:
 
 @dataclass
 class AsyncCounter(Workflow):
-    """Runs `n` async steps."""
+    """Runs `n` async steps; step `fail_at` fails once (its change undone)."""
 
     n: int = 10
     i: int = 0
+    fail_at: int = -1
 
     async def inc(self) -> None:
+        if self.i == self.fail_at and not _FAILED.get(id(self)):
+            _FAILED[id(self)] = True
+            self.i = -100  # undone with the failed attempt
+            raise RuntimeError("once")
         self.i += 1
 
     def definition(self) -> Section:
         return S(For("loop", self.i < self.n, Step("inc", self.inc)))
+
+
+_ENTERED: dict[str, float] = {}
+
+
+@dataclass
+class Named(Workflow):
+    """Runs sync steps s0 to s4, one after the other; s3 waits for `_GATE`."""
+
+    ran: list[str] = field(default_factory=list)
+
+    def step(self, name: str) -> None:
+        _ENTERED[name] = time.time()
+        if name == "s3":
+            _GATE.entered.set()
+            _GATE.open.wait(10)
+        self.ran.append(name)
+
+    def definition(self) -> Section:
+        return S(*(Step(f"s{i}", partial(self.step, f"s{i}")) for i in range(5)))
