@@ -6,7 +6,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import pytest
@@ -241,7 +241,8 @@ class Chained(Run):
 
     def take(self, kind: str) -> None:
         assert self.pool is not None
-        done = self.wf.i if isinstance(self.wf, Counter | AsyncCounter) else len(self.wf.ran)
+        wf = self.wf
+        done = wf.i if isinstance(wf, Counter | AsyncCounter) else len(cast(Named, wf).ran)
         self.taken.append((kind, done, 1 + self.pool.take_chained()))
 
     async def checkpoint(self, kind: CheckpointType) -> None:
