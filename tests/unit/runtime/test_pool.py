@@ -15,7 +15,7 @@ from daemon import For, Go, S, Section, State, Step, WaitFor, Workflow, Workflow
 from daemon.clock import FakeClock
 from daemon.core.merge import fork
 from daemon.core.state import CheckpointType
-from daemon.errors import StepFailed
+from daemon.errors import RunawayWorkflow, StepFailed
 from daemon.runtime.pool import StepPool
 from daemon.runtime.settings import Settings
 from daemon.runtime.steps import ABANDONED
@@ -229,9 +229,7 @@ _THREADS: list[int] = []
 class Chained(Run):
     """Drives `resume` with a pool that chains, recording each checkpoint's data and count."""
 
-    def __init__(
-        self, wf: Counter | AsyncCounter | Named, clock: FakeClock, room: int, chain_s: float = 60.0
-    ) -> None:
+    def __init__(self, wf: Workflow, clock: FakeClock, room: int, chain_s: float = 60.0) -> None:
         super().__init__(wf, clock)
         self.room, self.chain_s = room, chain_s
         #: (kind, wf.i, checkpoints it stands for) for each checkpoint, the pool's own too.
@@ -242,7 +240,7 @@ class Chained(Run):
     def take(self, kind: str) -> None:
         assert self.pool is not None
         wf = self.wf
-        done = wf.i if isinstance(wf, Counter | AsyncCounter) else len(cast(Named, wf).ran)
+        done = wf.i if isinstance(wf, Counter | AsyncCounter) else len(cast(Named | Mixed, wf).ran)
         self.taken.append((kind, done, 1 + self.pool.take_chained()))
 
     async def checkpoint(self, kind: CheckpointType) -> None:
@@ -340,6 +338,31 @@ class TestChain:
         assert isinstance(run.wf, AsyncCounter) and run.wf.i == 10
         assert run.notes.count("step_done") == 10
         assert run.observed == [("inc", "done")] * 4 + [("inc", "failed")] + [("inc", "done")] * 6
+
+    async def test_a_chain_hands_back_a_step_that_runs_elsewhere(self) -> None:
+        """A chain of sync steps stops before an async step, a step with a timeout or an
+        inline one; each runs where it belongs, once, in order, and is observed done."""
+        _WHERE.clear()
+        run = Chained(Mixed(), FakeClock(), room=31)
+        with anyio.fail_after(10):
+            await run.resume(Settings())
+        assert isinstance(run.wf, Mixed) and run.wf.ran == list("abcdefgh")
+        loop = threading.get_ident()
+        assert [_WHERE[name] == loop for name in "abcdefgh"] == [
+            False, False, True, False, False, True, True, False
+        ]  # fmt: skip
+        assert run.notes.count("step_done") == 8
+        assert run.observed == [(name, "done") for name in "abcdefgh"]
+        assert run.state.status is WorkflowStatus.FINISHED
+
+    @pytest.mark.parametrize("kind", ["sync", "async"])
+    async def test_a_runaway_chain_is_raised_by_the_engine(self, kind: str) -> None:
+        """Transitions made in a chain count: an endless loop of steps is still caught, on
+        the loop as in a worker thread."""
+        wf = Counter(n=10**9) if kind == "sync" else AsyncCounter(n=10**9)
+        run = Chained(wf, FakeClock(), room=10**9)
+        with anyio.fail_after(30), pytest.raises(RunawayWorkflow):
+            await run.resume(Settings())
 
     async def test_show_tells_the_chained_step_running_now(self) -> None:
         """`running` names the step of the chain that runs now, since when it runs."""
@@ -446,3 +469,32 @@ class Named(Workflow):
 
     def definition(self) -> Section:
         return S(*(Step(f"s{i}", partial(self.step, f"s{i}")) for i in range(5)))
+
+
+_WHERE: dict[str, int] = {}
+
+
+@dataclass
+class Mixed(Workflow):
+    """Sync steps a, b, an async c, sync d, e (with a timeout), inline f, async g, sync h."""
+
+    ran: list[str] = field(default_factory=list)
+
+    def sync(self, name: str) -> None:
+        _WHERE[name] = threading.get_ident()
+        self.ran.append(name)
+
+    async def run_async(self, name: str) -> None:
+        self.sync(name)
+
+    def definition(self) -> Section:
+        return S(
+            Step("a", partial(self.sync, "a")),
+            Step("b", partial(self.sync, "b")),
+            Step("c", partial(self.run_async, "c")),
+            Step("d", partial(self.sync, "d")),
+            Step("e", partial(self.sync, "e"), timeout=5),
+            Step("f", partial(self.sync, "f"), inline=True),
+            Step("g", partial(self.run_async, "g")),
+            Step("h", partial(self.sync, "h")),
+        )
