@@ -10,6 +10,8 @@ from typing import Any, Protocol
 
 import msgspec
 
+from daemon.core.command import Run
+
 # Explicit re-exports (mypy's idiom): daemon.core.engine.Definition and .validate stay importable.
 from daemon.core.definition import (
     BRANCHING,
@@ -54,6 +56,7 @@ from daemon.core.statements import (
     Wait,
     WaitFor,
     _Branching,
+    is_async,
     truth,
 )
 from daemon.core.waits import (
@@ -169,10 +172,14 @@ class Start:
     waits in `Steps.next`, for a step that ran alone on the live data.
     """
 
-    __slots__ = ("resumer", "step", "thread")
+    __slots__ = ("_async", "_func", "_type", "resumer", "step", "thread")
 
     def __init__(self, resumer: _Resumer, thread: Thread, step: Step) -> None:
         self.resumer, self.thread, self.step = resumer, thread, step
+        #: The last action `follow` looked at: its function, its type, and whether async.
+        self._func: object = None
+        self._type: type | None = None
+        self._async = False
 
     def __call__(self, *, alone: bool = False) -> Fork:
         return fork(self.resumer.wf, self.step, alone=alone)
@@ -217,11 +224,16 @@ class Start:
         r.ready.pop(self.thread.id, None)
         return True
 
-    def follow(self) -> Step | None:
-        """Move the thread past this Start's step (finished in place); return its next Step.
+    def follow(self, on_loop: bool) -> bytes | None:
+        """Move the thread past this Start's step (finished in place) and begin the next one.
 
-        What `then` does for a runner's chain, with no Start made per step: the Step returned
-        is not begun (run it after `take`, or report `moved`); None is then's None.
+        What `then`, `begin` and `fork(alone=True)` do for a runner's chain, with no Start
+        made per step: the thread's next Step becomes this Start's `step` and the data as it
+        is now is returned, to be put back (`wf.restore`) if that step fails. Only a Step
+        that runs where the chain does: on the loop (`on_loop`: an async or inline action)
+        or in a worker thread (a sync one), not a Run nor one with a timeout. None: the
+        thread stopped elsewhere, or at a step that does not chain (the engine starts it),
+        or an error is due (the engine raises it); the runner reports `moved` either way.
         """
         r, t = self.resumer, self.thread
         if r.error is not None:
@@ -244,23 +256,21 @@ class Start:
             r.error = e
             return None
         step = r.ready.get(t.id)
-        if step is None or (len(r.state.threads) > 1 and not r.alone(t)):
+        if step is None or step.timeout or isinstance(step, Run):
             return None
-        return step
-
-    def take(self, step: Step) -> bytes | None:
-        """Begin `step` (from `follow`) as this Start's step; return the data's undo, or None.
-
-        What `begin` and `fork(alone=True)` do: the transition is counted, and the data as it
-        is now is returned, to be put back (`wf.restore`) if the step fails. None: do not run
-        it (out of transitions: the engine raises that error).
-        """
-        r = self.resumer
-        r.budget -= 1
-        if r.budget < 0:
-            r.error = r.runaway(self.thread)
+        if len(r.state.threads) > 1 and not r.alone(t):
             return None
-        r.ready.pop(self.thread.id, None)
+        action = step.action
+        func = getattr(action, "__func__", action)
+        if func is not self._func or type(action) is not self._type:
+            # Asked once per function: a chain's steps are mostly one method, bound anew.
+            self._func, self._type, self._async = func, type(action), is_async(action)
+        if (step.inline or self._async) is not on_loop:
+            return None
+        if r.budget <= 0:  # the engine's own start of it raises the runaway
+            return None
+        r.budget -= 1  # begin's transition
+        del r.ready[t.id]
         self.step = step
         return _encoder.encode(r.wf)
 

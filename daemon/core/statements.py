@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
+import types
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from daemon.core.handler import Handler
 
@@ -293,3 +295,15 @@ def definition_to_dict(stmt: Stmt) -> dict[str, Any]:
         case Return():
             return {"type": "return"}
     return {"type": type(stmt).__name__}
+
+
+_PLAIN_CALLABLES = (types.FunctionType, types.MethodType)
+
+
+def is_async(fn: Any) -> TypeGuard[Callable[[], Awaitable[Any]]]:
+    """Tell whether `fn` is an async function, as inspect.iscoroutinefunction does, but faster."""
+    # A plain function or bound method (nearly every step) needs no trip through inspect.
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    if code is not None and type(fn) in _PLAIN_CALLABLES:
+        return bool(code.co_flags & inspect.CO_COROUTINE)
+    return inspect.iscoroutinefunction(fn)

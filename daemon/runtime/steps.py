@@ -11,7 +11,7 @@ import time
 import types
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeGuard
+from typing import Any
 
 import anyio
 import structlog
@@ -20,13 +20,14 @@ from daemon.core.command import Run
 from daemon.core.engine import Start
 from daemon.core.merge import Fork
 from daemon.core.statements import NonRetryableError, Step
+from daemon.core.statements import is_async as _is_async
 from daemon.runtime.commands import run_command
 from daemon.runtime.workers import Workers
 
 log = structlog.get_logger()
+_COROUTINE = types.CoroutineType
 #: Records a history entry of the workflow the step belongs to.
 Note = Callable[[str, dict[str, Any]], None]
-_PLAIN_CALLABLES = (types.FunctionType, types.MethodType)
 
 
 @dataclass(slots=True)
@@ -309,9 +310,6 @@ def _chain(chain: Chain, call: _Call, run: StepRun) -> None:
     """Run the chain's steps, in the worker thread; a step's exception ends it (and is raised)."""
     start, done = chain.start, chain.done
     action = chain.fork.step.action
-    last: object = None
-    kind: type | None = None
-    is_async = False
     perf = time.perf_counter
     chain.until = perf() + chain.budget_s
     while True:
@@ -329,70 +327,46 @@ def _chain(chain: Chain, call: _Call, run: StepRun) -> None:
         with call._lock:
             if call._abandoned:
                 return
-            nxt = start.follow()
+            undo = start.follow(False)
             chain.stepped += 1
-            if nxt is None or nxt.timeout or nxt.inline or isinstance(nxt, Run):
-                chain.moved = True  # follow() moved the thread past the step that finished
-                return
-            # What chain_kind(nxt) == THREAD tells, with _is_async asked once per function.
-            action = nxt.action
-            func = getattr(action, "__func__", action)
-            if func is not last or type(action) is not kind:
-                last, kind, is_async = func, type(action), _is_async(action)
-            if is_async:
-                chain.moved = True
-                return
-            undo = start.take(nxt)
             if undo is None:
-                chain.moved = True
+                chain.moved = True  # follow() moved the thread past the step that finished
                 return
             chain.undo = undo
         chain.room -= 1
+        step = start.step
+        action = step.action
         # The chain's one StepRun tells `show` of each step in turn.
-        run.step, run.began, run.since = nxt.name, time.monotonic(), time.time()
+        run.step, run.began, run.since = step.name, time.monotonic(), time.time()
         run.running_since = run.since
 
 
 async def _chain_here(chain: Chain, run: StepRun) -> None:
     """Run the chain's async and inline steps on the loop, as run_step runs one."""
     start, done = chain.start, chain.done
-    step = chain.fork.step
-    action: Callable[[], Any] = step.action
-    last: object = getattr(action, "__func__", action)
-    kind: type = type(action)
-    is_async = _is_async(action)
+    action: Callable[[], Any] = chain.fork.step.action
     perf = time.perf_counter
     chain.until = perf() + chain.budget_s
     run.running_since = time.time()
     while True:
         began = perf()
         result = action()
-        if is_async or (result is not None and inspect.isawaitable(result)):
+        # A coroutine told by its type first: inspect.isawaitable is a Python call.
+        if result is not None and (type(result) is _COROUTINE or inspect.isawaitable(result)):
             await result
         ended = perf()
         done.append((run.step, ended - began))
         if chain.room <= 0 or ended >= chain.until or chain.stopped:
             return
-        nxt = start.follow()
+        undo = start.follow(True)
         chain.stepped += 1
-        # What `chain_kind(nxt) != LOOP` tells, with the action looked at once per step.
-        if nxt is None or nxt.timeout or isinstance(nxt, Run):
-            chain.moved = True
-            return
-        step = nxt
-        action = step.action
-        func = getattr(action, "__func__", action)
-        if func is not last or type(action) is not kind:  # _is_async asked once per function
-            last, kind, is_async = func, type(action), _is_async(action)
-        if not (step.inline or is_async):
-            chain.moved = True
-            return
-        undo = start.take(step)
         if undo is None:
             chain.moved = True
             return
         chain.undo = undo
         chain.room -= 1
+        step = start.step
+        action = step.action
         run.step, run.began, run.since = step.name, time.monotonic(), time.time()
         run.running_since = run.since
 
@@ -485,12 +459,3 @@ def _report(step: Step, note: Note, reason: str, abandoned: Abandoned) -> None:
         abandoned_total=abandoned.total,
     )
     note("step_abandoned", detail)
-
-
-def _is_async(fn: Any) -> TypeGuard[Callable[[], Awaitable[Any]]]:
-    """Tell whether `fn` is an async function, as inspect.iscoroutinefunction does, but faster."""
-    # A plain function or bound method (nearly every step) needs no trip through inspect.
-    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-    if code is not None and type(fn) in _PLAIN_CALLABLES:
-        return bool(code.co_flags & inspect.CO_COROUTINE)
-    return inspect.iscoroutinefunction(fn)
