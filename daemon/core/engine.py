@@ -376,10 +376,16 @@ class _Cursor:
                 if stop is not None and stop is not _CONTINUE:
                     return stop
         r, cond = self.resumer, stmt.cond
+        # A body that starts with a Step, WaitFor or Wait (most loops) stops there at once,
+        # as block(body) would: one call less for each step run in a loop.
+        first = KIND_CODE.get(type(body[0])) if body else None
+        at_once = first is LEAF or first is WAIT
         while cond is True or (cond is not False and truth(cond)):
             r.budget -= 1
             if r.budget < 0:
                 raise r.runaway(self.thread)
+            if at_once:
+                return body[0]
             stop = self.block(body)
             if stop is _BREAK:
                 return None
