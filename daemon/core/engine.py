@@ -275,7 +275,7 @@ class Start:
         return _encoder.encode(r.wf)
 
     def forked(self, undo: bytes) -> Fork:
-        """Return the Fork of this Start's step run in place from `undo` (see `take`)."""
+        """Return the Fork of this Start's step run in place from `undo` (see `follow`)."""
         return Fork(self.resumer.wf, self.step, {}, undo=undo)
 
 

@@ -229,7 +229,7 @@ class Chain:
     budget_s: float = CHAIN_S
     #: When (time.perf_counter()) it stops going on to next steps.
     until: float = 0.0
-    #: The running step's undo (Start.take) while it is not yet `fork`'s.
+    #: The running step's undo (from Start.follow) while it is not yet `fork`'s.
     undo: bytes | None = None
 
     def settle(self) -> None:
@@ -256,9 +256,9 @@ async def run_chain(
     instead of one per step. `running[thread_id]` is the StepRun of the step running now
     (for `show`). Each step that finished is logged as `step_done` and noted, as run_step
     does (a thread's chain once it is back); `observe` is told of each but the last as
-    "done" (its caller reports that one). `noted`, if given, is the workflow's own note, told the thread
-    in the detail (`note` is then only for what a cancel reports). A cancel abandons the
-    thread, as for one step, and the chain stops before its next step.
+    "done" (its caller reports that one). `noted`, if given, is the workflow's own note,
+    told the thread in the detail (`note` is then only for what a cancel reports). A cancel
+    abandons the thread, as for one step, and the chain stops before its next step.
     """
     if chain_kind(chain.fork.step) == LOOP:
         try:
