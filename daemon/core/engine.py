@@ -442,7 +442,6 @@ class _Resumer:
         self.budget = MAX_TRANSITIONS
         #: What went wrong in `Start.then`, on the runner's thread: raised on the engine's.
         self.error: Exception | None = None
-        self._cursor: _Cursor | None = None
 
     @property
     def defn(self) -> Definition:
@@ -507,12 +506,9 @@ class _Resumer:
             body = go.body
         else:
             raise StepNotFound(f"thread {t.id}: Go {t.name!r} is not in the definition")
-        # One cursor per resume, set to the thread (not one made per transition).
-        cursor = self._cursor
-        if cursor is None:
-            cursor = self._cursor = _Cursor(self, t)
-        else:
-            cursor.thread, cursor.running = t, t.cur_step == ""
+        # A cursor per transition: one kept on the resumer would be a reference cycle
+        # (resumer <-> cursor) holding the whole resume for the cyclic GC.
+        cursor = _Cursor(self, t)
         t.pc += 1
         s.pc += 1
         stop = cursor.block(body.stmts) if type(body) is Section else cursor.run(body)
