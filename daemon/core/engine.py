@@ -10,6 +10,8 @@ from typing import Any, Protocol
 
 import msgspec
 
+from daemon.core.command import Run
+
 # Explicit re-exports (mypy's idiom): daemon.core.engine.Definition and .validate stay importable.
 from daemon.core.definition import (
     BRANCHING,
@@ -54,6 +56,7 @@ from daemon.core.statements import (
     Wait,
     WaitFor,
     _Branching,
+    is_async,
     truth,
 )
 from daemon.core.waits import (
@@ -169,10 +172,14 @@ class Start:
     waits in `Steps.next`, for a step that ran alone on the live data.
     """
 
-    __slots__ = ("resumer", "step", "thread")
+    __slots__ = ("_async", "_func", "_type", "resumer", "step", "thread")
 
     def __init__(self, resumer: _Resumer, thread: Thread, step: Step) -> None:
         self.resumer, self.thread, self.step = resumer, thread, step
+        #: The last action `follow` looked at: its function, its type, and whether async.
+        self._func: object = None
+        self._type: type | None = None
+        self._async = False
 
     def __call__(self, *, alone: bool = False) -> Fork:
         return fork(self.resumer.wf, self.step, alone=alone)
@@ -216,6 +223,60 @@ class Start:
             return False
         r.ready.pop(self.thread.id, None)
         return True
+
+    def follow(self, on_loop: bool) -> bytes | None:
+        """Move the thread past this Start's step (finished in place) and begin the next one.
+
+        What `then`, `begin` and `fork(alone=True)` do for a runner's chain, with no Start
+        made per step: the thread's next Step becomes this Start's `step` and the data as it
+        is now is returned, to be put back (`wf.restore`) if that step fails. Only a Step
+        that runs where the chain does: on the loop (`on_loop`: an async or inline action)
+        or in a worker thread (a sync one), not a Run nor one with a timeout. None: the
+        thread stopped elsewhere, or at a step that does not chain (the engine starts it),
+        or an error is due (the engine raises it); the runner reports `moved` either way.
+        """
+        r, t = self.resumer, self.thread
+        if r.error is not None:
+            raise WorkflowdError("Start.follow: the engine has an error to raise first")
+        # What r.stepped(t) does, inline (this runs for every step of a chain).
+        t.status = _RESUMING
+        t.pc += 1
+        r.state.pc += 1
+        r._root = r._defn = None
+        if r.ready:
+            r.ready.clear()
+        if r.cases:
+            r.cases.clear()
+        try:
+            r.budget -= 1
+            if r.budget < 0:
+                raise r.runaway(t)
+            r.advance(t)
+        except Exception as e:  # noqa: BLE001 - raised by the engine once it has the thread back
+            r.error = e
+            return None
+        step = r.ready.get(t.id)
+        if step is None or step.timeout or isinstance(step, Run):
+            return None
+        if len(r.state.threads) > 1 and not r.alone(t):
+            return None
+        action = step.action
+        func = getattr(action, "__func__", action)
+        if func is not self._func or type(action) is not self._type:
+            # Asked once per function: a chain's steps are mostly one method, bound anew.
+            self._func, self._type, self._async = func, type(action), is_async(action)
+        if (step.inline or self._async) is not on_loop:
+            return None
+        if r.budget <= 0:  # the engine's own start of it raises the runaway
+            return None
+        r.budget -= 1  # begin's transition
+        del r.ready[t.id]
+        self.step = step
+        return _encoder.encode(r.wf)
+
+    def forked(self, undo: bytes) -> Fork:
+        """Return the Fork of this Start's step run in place from `undo` (see `follow`)."""
+        return Fork(self.resumer.wf, self.step, {}, undo=undo)
 
 
 def _ignore_conflict(path: str, step: str, thread_id: str) -> None:
@@ -315,10 +376,16 @@ class _Cursor:
                 if stop is not None and stop is not _CONTINUE:
                     return stop
         r, cond = self.resumer, stmt.cond
+        # A body that starts with a Step, WaitFor or Wait (most loops) stops there at once,
+        # as block(body) would: one call less for each step run in a loop.
+        first = KIND_CODE.get(type(body[0])) if body else None
+        at_once = first is LEAF or first is WAIT
         while cond is True or (cond is not False and truth(cond)):
             r.budget -= 1
             if r.budget < 0:
                 raise r.runaway(self.thread)
+            if at_once:
+                return body[0]
             stop = self.block(body)
             if stop is _BREAK:
                 return None
@@ -439,6 +506,8 @@ class _Resumer:
             body = go.body
         else:
             raise StepNotFound(f"thread {t.id}: Go {t.name!r} is not in the definition")
+        # A cursor per transition: one kept on the resumer would be a reference cycle
+        # (resumer <-> cursor) holding the whole resume for the cyclic GC.
         cursor = _Cursor(self, t)
         t.pc += 1
         s.pc += 1

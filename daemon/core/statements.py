@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
+import types
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from daemon.core.handler import Handler
 
@@ -50,9 +52,16 @@ class Section(Stmt):
     stmts: tuple[Stmt, ...]
 
 
+#: Makes a Section without running its __init__: a definition is rebuilt after every step,
+#: and each of its blocks costs one Python call less (S, For, On).
+_new = object.__new__
+
+
 def S(*stmts: Stmt) -> Section:
     """Build a section (a block) from statements."""
-    return Section(stmts)
+    section = _new(Section)
+    section.stmts = stmts
+    return section
 
 
 @dataclass(slots=True, eq=False)
@@ -136,7 +145,9 @@ class For(Stmt):
     body: Section
 
     def __init__(self, name: str, cond: Cond, *stmts: Stmt) -> None:
-        self.name, self.cond, self.body = name, cond, Section(stmts)
+        body = _new(Section)
+        body.stmts = stmts
+        self.name, self.cond, self.body = name, cond, body
 
 
 class Break(Stmt):
@@ -166,7 +177,9 @@ class On:
     body: Section
 
     def __init__(self, event: str, handler: Handler, *stmts: Stmt) -> None:
-        self.event, self.handler, self.body = event, handler, Section(stmts)
+        body = _new(Section)
+        body.stmts = stmts
+        self.event, self.handler, self.body = event, handler, body
 
 
 @dataclass(slots=True, eq=False, init=False)
@@ -282,3 +295,15 @@ def definition_to_dict(stmt: Stmt) -> dict[str, Any]:
         case Return():
             return {"type": "return"}
     return {"type": type(stmt).__name__}
+
+
+_PLAIN_CALLABLES = (types.FunctionType, types.MethodType)
+
+
+def is_async(fn: Any) -> TypeGuard[Callable[[], Awaitable[Any]]]:
+    """Tell whether `fn` is an async function, as inspect.iscoroutinefunction does, but faster."""
+    # A plain function or bound method (nearly every step) needs no trip through inspect.
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    if code is not None and type(fn) in _PLAIN_CALLABLES:
+        return bool(code.co_flags & inspect.CO_COROUTINE)
+    return inspect.iscoroutinefunction(fn)

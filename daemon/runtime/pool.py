@@ -86,6 +86,8 @@ class StepPool:
         #: The steps running now, by thread id, for `show`.
         self.running: dict[str, StepRun] = {}
         self._backing_off: dict[str, anyio.CancelScope] = {}
+        #: The chains running now (told to stop going on by `stop`).
+        self._chains: set[Chain] = set()
         #: Steps started but not yet running: the engine waits for one in `next`.
         self._pending: list[tuple[str, Callable[..., Fork]]] = []
         self._done: list[Done] = []
@@ -148,6 +150,8 @@ class StepPool:
     def stop(self) -> None:
         """Start no more steps, and end the retry waits (shutdown); running steps go on."""
         self._stopping = True
+        for chain in self._chains:
+            chain.stopped = True
         for scope in self._backing_off.values():
             scope.cancel()
 
@@ -221,10 +225,6 @@ class StepPool:
             return None
         return max(0, self._room())
 
-    def _observed(self, step: str, seconds: float) -> None:
-        if self._observe is not None:
-            self._observe(step, "done", seconds)
-
     async def _attempts_of(
         self, thread_id: str, make_fork: Callable[..., Fork], *, alone: bool = False
     ) -> Done:
@@ -256,8 +256,9 @@ class StepPool:
                 else:
                     assert isinstance(make_fork, Start)
                     chain = Chain(
-                        make_fork, f, room, lambda: not self._stopping, budget_s=self._chain_s
+                        make_fork, f, room, stopped=self._stopping, budget_s=self._chain_s
                     )
+                    self._chains.add(chain)
                     try:
                         await run_chain(
                             chain,
@@ -265,9 +266,11 @@ class StepPool:
                             note=note,
                             running=self.running,
                             thread_id=thread_id,
-                            observe=self._observed,
+                            observe=self._observe,
+                            noted=self._note,
                         )
                     finally:
+                        self._chains.discard(chain)
                         self.stale = self.stale or chain.stale
                         # Whatever ran last is this attempt's step: a retry runs that one.
                         make_fork, f, step = chain.start, chain.fork, chain.fork.step

@@ -11,7 +11,7 @@ import time
 import types
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeGuard, cast
+from typing import Any
 
 import anyio
 import structlog
@@ -20,13 +20,14 @@ from daemon.core.command import Run
 from daemon.core.engine import Start
 from daemon.core.merge import Fork
 from daemon.core.statements import NonRetryableError, Step
+from daemon.core.statements import is_async as _is_async
 from daemon.runtime.commands import run_command
 from daemon.runtime.workers import Workers
 
 log = structlog.get_logger()
+_COROUTINE = types.CoroutineType
 #: Records a history entry of the workflow the step belongs to.
 Note = Callable[[str, dict[str, Any]], None]
-_PLAIN_CALLABLES = (types.FunctionType, types.MethodType)
 
 
 @dataclass(slots=True)
@@ -172,7 +173,7 @@ async def run_step(
         if inspect.isawaitable(result):
             with _deadline(step.timeout):
                 await result
-    ms = round((time.perf_counter() - started) * 1000, 3)
+    ms = round((time.perf_counter() - started) * 1e6) / 1000  # round(x, 3) costs ~4x as much
     log.info("step_done", step=step.name, duration_ms=ms)
     note("step_done", {"step": step.name, "duration_ms": ms})
 
@@ -197,25 +198,26 @@ def chain_kind(step: Step) -> str | None:
 
 @dataclass(slots=True, eq=False)
 class Chain:
-    """A thread's steps run back to back, with no hand-back to the engine (see Start.then).
+    """A thread's steps run back to back, with no hand-back to the engine (see Start.follow).
 
     It begins with one step (`start`, `fork`); after each step that finished, while it has
-    `room`, has run for less than `budget_s` and `going()` holds, the engine is run on to the
-    thread's next step, and that one
-    runs too if it chains the same way (chain_kind): sync steps in one worker thread, async
-    and inline ones on the loop. At its end `start` and `fork` are the last step's:
-    finished, or failed (the error is raised), or the thread `moved` on.
+    `room`, has run for less than `budget_s` and is not `stopped`, the engine is run on to the
+    thread's next step, and that one runs too if it chains the same way (chain_kind): sync
+    steps in one worker thread, async and inline ones on the loop, on the live data, each
+    with the data as it was before it (its undo) and one StepRun for them all. At its end
+    `start` and `fork` are the last step's: finished, or failed (the error is raised), or
+    the thread `moved` on.
     """
 
     start: Start
     fork: Fork
     #: How many more steps it may run after the first.
     room: int
-    #: Whether it may go on to a next step (False once the pool stops).
-    going: Callable[[], bool]
-    #: The steps that finished, in order, each with its StepRun and seconds.
-    done: list[tuple[StepRun, float]] = field(default_factory=list)
-    #: Steps the engine moved the thread past, in the worker thread (Start.then).
+    #: It may not go on to a next step (set once the pool stops).
+    stopped: bool = False
+    #: The steps that finished, in order: each one's name and seconds.
+    done: list[tuple[str, float]] = field(default_factory=list)
+    #: Steps the engine moved the thread past, in the worker thread (Start.follow).
     stepped: int = 0
     #: The engine moved the thread on past the last step (see Done.moved).
     moved: bool = False
@@ -227,6 +229,13 @@ class Chain:
     budget_s: float = CHAIN_S
     #: When (time.perf_counter()) it stops going on to next steps.
     until: float = 0.0
+    #: The running step's undo (from Start.follow) while it is not yet `fork`'s.
+    undo: bytes | None = None
+
+    def settle(self) -> None:
+        """Make `fork` the last step's (its Fork is made once, not per step)."""
+        if self.undo is not None:
+            self.fork, self.undo = self.start.forked(self.undo), None
 
 
 async def run_chain(
@@ -236,33 +245,38 @@ async def run_chain(
     note: Note,
     running: dict[str, StepRun],
     thread_id: str,
-    observe: Callable[[str, float], None] | None = None,
+    observe: Callable[[str, str, float], None] | None = None,
     abandoned: Abandoned = ABANDONED,
     workers: Workers = WORKERS,
+    noted: Note | None = None,
 ) -> None:
     """Run a chain of steps; raise what its last step raised.
 
     Sync steps run in one worker thread and slot: one thread hand-off for the whole chain
     instead of one per step. `running[thread_id]` is the StepRun of the step running now
     (for `show`). Each step that finished is logged as `step_done` and noted, as run_step
-    does (a thread's chain once it is back); `observe` is told of each but the last (its
-    caller reports that one). A cancel abandons the thread, as for one step, and the chain
-    stops before its next step.
+    does (a thread's chain once it is back); `observe` is told of each but the last as
+    "done" (its caller reports that one). `noted`, if given, is the workflow's own note,
+    told the thread in the detail (`note` is then only for what a cancel reports). A cancel
+    abandons the thread, as for one step, and the chain stops before its next step.
     """
     if chain_kind(chain.fork.step) == LOOP:
         try:
-            await _chain_here(chain, running, thread_id)
+            await _chain_here(chain, running[thread_id])
         except Exception:
-            _chain_done(chain, note, running[thread_id], observe)
+            chain.settle()
+            _chain_done(chain, note, noted, thread_id, observe, last=False)
             raise
-        _chain_done(chain, note, running[thread_id], observe)
+        finally:
+            chain.settle()
+        _chain_done(chain, note, noted, thread_id, observe)
         return
     run = running[thread_id]
     run.queued_since = time.time()
     call: _Call
 
     def body() -> object:
-        _chain(chain, call, running, thread_id)
+        _chain(chain, call, run)
         return None
 
     call = _Call(body, abandoned, run)
@@ -270,102 +284,115 @@ async def run_chain(
     try:
         await job.future
     except Exception:
-        _chain_done(chain, note, running[thread_id], observe)
+        chain.settle()
+        _chain_done(chain, note, noted, thread_id, observe, last=False)
         raise
     except BaseException:
-        if call.abandon():
-            _report(chain.fork.step, note, "cancelled", abandoned)
+        began = call.abandon()
         # From here on the thread moves the state no more (see _chain).
+        chain.settle()
+        if began:
+            _report(chain.fork.step, note, "cancelled", abandoned)
         chain.stale = chain.stepped > 0
         workers.forget(job)
         raise
     workers.forget(job)
-    last = running[thread_id]
+    chain.settle()
     if chain.pending is not None:
-        _chain_done(chain, note, last, observe)
+        _chain_done(chain, note, noted, thread_id, observe, last=False)
         chain.done = []
         await chain.pending
-        chain.done.append((last, time.monotonic() - last.began))
-    _chain_done(chain, note, last, observe)
+        chain.done.append((run.step, time.monotonic() - run.began))
+    _chain_done(chain, note, noted, thread_id, observe)
 
 
-def _chain(chain: Chain, call: _Call, running: dict[str, StepRun], thread_id: str) -> None:
+def _chain(chain: Chain, call: _Call, run: StepRun) -> None:
     """Run the chain's steps, in the worker thread; a step's exception ends it (and is raised)."""
-    run = running[thread_id]
-    chain.until = time.perf_counter() + chain.budget_s
+    start, done = chain.start, chain.done
+    action = chain.fork.step.action
+    perf = time.perf_counter
+    chain.until = perf() + chain.budget_s
     while True:
-        began = time.perf_counter()
-        result = chain.fork.step.action()
-        if inspect.isawaitable(result):
+        began = perf()
+        result = action()
+        if result is not None and inspect.isawaitable(result):
             chain.pending = result
             return
-        ended = time.perf_counter()
-        chain.done.append((run, ended - began))
-        if chain.room <= 0 or ended >= chain.until or not chain.going():
+        ended = perf()
+        done.append((run.step, ended - began))
+        if chain.room <= 0 or ended >= chain.until or chain.stopped:
             return
         # Under the call's lock: once the loop has given the chain up (and reads the state
         # again), it moves the workflow's state no more.
         with call._lock:
-            if call.abandoned:
+            if call._abandoned:
                 return
-            nxt = chain.start.then(chain.fork)
+            undo = start.follow(False)
             chain.stepped += 1
-            if nxt is None or chain_kind(nxt.step) != THREAD or not nxt.begin():
-                chain.moved = True  # then() moved the thread past the step that finished
+            if undo is None:
+                chain.moved = True  # follow() moved the thread past the step that finished
                 return
+            chain.undo = undo
         chain.room -= 1
-        chain.start, chain.fork = nxt, nxt(alone=True)
-        run = StepRun(nxt.step.name)
-        run.running_since = run.since
-        running[thread_id] = run
-
-
-async def _chain_here(chain: Chain, running: dict[str, StepRun], thread_id: str) -> None:
-    """Run the chain's async and inline steps on the loop, as run_step runs one."""
-    run = running[thread_id]
-    chain.until = time.perf_counter() + chain.budget_s
-    action = chain.fork.step.action
-    is_async = _is_async(action)
-    while True:
-        run.running_since = time.time()
-        began = time.perf_counter()
-        if is_async:
-            await cast(Callable[[], Awaitable[Any]], action)()
-        else:
-            result = action()
-            if inspect.isawaitable(result):
-                await result
-        ended = time.perf_counter()
-        chain.done.append((run, ended - began))
-        if chain.room <= 0 or ended >= chain.until or not chain.going():
-            return
-        nxt = chain.start.then(chain.fork)
-        chain.stepped += 1
-        # What `chain_kind(nxt.step) != LOOP` tells, with the action looked at once per step.
-        if nxt is None or isinstance(nxt.step, Run) or nxt.step.timeout:
-            chain.moved = True
-            return
-        step = nxt.step
+        step = start.step
         action = step.action
-        is_async = _is_async(action)
-        if not (step.inline or is_async) or not nxt.begin():
+        # The chain's one StepRun tells `show` of each step in turn.
+        run.step, run.began, run.since = step.name, time.monotonic(), time.time()
+        run.running_since = run.since
+
+
+async def _chain_here(chain: Chain, run: StepRun) -> None:
+    """Run the chain's async and inline steps on the loop, as run_step runs one."""
+    start, done = chain.start, chain.done
+    action: Callable[[], Any] = chain.fork.step.action
+    perf = time.perf_counter
+    chain.until = perf() + chain.budget_s
+    run.running_since = time.time()
+    while True:
+        began = perf()
+        result = action()
+        # A coroutine told by its type first: inspect.isawaitable is a Python call.
+        if result is not None and (type(result) is _COROUTINE or inspect.isawaitable(result)):
+            await result
+        ended = perf()
+        done.append((run.step, ended - began))
+        if chain.room <= 0 or ended >= chain.until or chain.stopped:
+            return
+        undo = start.follow(True)
+        chain.stepped += 1
+        if undo is None:
             chain.moved = True
             return
+        chain.undo = undo
         chain.room -= 1
-        chain.start, chain.fork = nxt, nxt(alone=True)
-        run = running[thread_id] = StepRun(nxt.step.name)
+        step = start.step
+        action = step.action
+        run.step, run.began, run.since = step.name, time.monotonic(), time.time()
+        run.running_since = run.since
 
 
 def _chain_done(
-    chain: Chain, note: Note, last: StepRun, observe: Callable[[str, float], None] | None
+    chain: Chain,
+    note: Note,
+    noted: Note | None,
+    thread_id: str,
+    observe: Callable[[str, str, float], None] | None,
+    *,
+    last: bool = True,
 ) -> None:
+    """Log and note each finished step of the chain; observe each but the last (see run_chain)."""
     info = log.info  # looked up once (through structlog's lazy proxy) for the whole chain
-    for run, seconds in chain.done:
-        ms = round(seconds * 1000, 3)
-        info("step_done", step=run.step, duration_ms=ms)
-        note("step_done", {"step": run.step, "duration_ms": ms})
-        if observe is not None and run is not last:
-            observe(run.step, seconds)
+    done = chain.done
+    final = len(done) - 1 if last else len(done)
+    for i, (name, seconds) in enumerate(done):
+        ms = round(seconds * 1e6) / 1000  # what round(x * 1000, 3) gives, at a quarter of its cost
+        info("step_done", step=name, duration_ms=ms)
+        if noted is not None:
+            noted("step_done", {"step": name, "duration_ms": ms, "thread": thread_id})
+        else:
+            note("step_done", {"step": name, "duration_ms": ms})
+        if observe is not None and i != final:
+            observe(name, "done", seconds)
 
 
 def _store_into(data: object, field: str, value: dict[str, Any]) -> None:
@@ -432,12 +459,3 @@ def _report(step: Step, note: Note, reason: str, abandoned: Abandoned) -> None:
         abandoned_total=abandoned.total,
     )
     note("step_abandoned", detail)
-
-
-def _is_async(fn: Any) -> TypeGuard[Callable[[], Awaitable[Any]]]:
-    """Tell whether `fn` is an async function, as inspect.iscoroutinefunction does, but faster."""
-    # A plain function or bound method (nearly every step) needs no trip through inspect.
-    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-    if code is not None and type(fn) in _PLAIN_CALLABLES:
-        return bool(code.co_flags & inspect.CO_COROUTINE)
-    return inspect.iscoroutinefunction(fn)

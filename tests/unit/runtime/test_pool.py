@@ -6,7 +6,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import pytest
@@ -15,7 +15,7 @@ from daemon import For, Go, S, Section, State, Step, WaitFor, Workflow, Workflow
 from daemon.clock import FakeClock
 from daemon.core.merge import fork
 from daemon.core.state import CheckpointType
-from daemon.errors import StepFailed
+from daemon.errors import RunawayWorkflow, StepFailed
 from daemon.runtime.pool import StepPool
 from daemon.runtime.settings import Settings
 from daemon.runtime.steps import ABANDONED
@@ -229,17 +229,19 @@ _THREADS: list[int] = []
 class Chained(Run):
     """Drives `resume` with a pool that chains, recording each checkpoint's data and count."""
 
-    def __init__(
-        self, wf: Counter | AsyncCounter, clock: FakeClock, room: int, chain_s: float = 60.0
-    ) -> None:
+    def __init__(self, wf: Workflow, clock: FakeClock, room: int, chain_s: float = 60.0) -> None:
         super().__init__(wf, clock)
         self.room, self.chain_s = room, chain_s
         #: (kind, wf.i, checkpoints it stands for) for each checkpoint, the pool's own too.
         self.taken: list[tuple[str, int, int]] = []
+        #: (step, outcome) of each attempt, as the pool observed it.
+        self.observed: list[tuple[str, str]] = []
 
     def take(self, kind: str) -> None:
-        assert isinstance(self.wf, Counter | AsyncCounter) and self.pool is not None
-        self.taken.append((kind, self.wf.i, 1 + self.pool.take_chained()))
+        assert self.pool is not None
+        wf = self.wf
+        done = wf.i if isinstance(wf, Counter | AsyncCounter) else len(cast(Named | Mixed, wf).ran)
+        self.taken.append((kind, done, 1 + self.pool.take_chained()))
 
     async def checkpoint(self, kind: CheckpointType) -> None:
         self.saves.append(kind)
@@ -249,8 +251,17 @@ class Chained(Run):
     async def save(self) -> None:
         self.take("pool")
 
+    def observe(self, step: str, outcome: str, seconds: float) -> None:
+        assert seconds >= 0
+        self.observed.append((step, outcome))
+
     def options(self) -> dict[str, Any]:
-        return {"room": lambda: self.room, "save": self.save, "chain_s": self.chain_s}
+        return {
+            "room": lambda: self.room,
+            "save": self.save,
+            "chain_s": self.chain_s,
+            "observe": self.observe,
+        }
 
 
 class TestChain:
@@ -307,6 +318,69 @@ class TestChain:
         assert isinstance(run.wf, Counter) and run.wf.i == 10
         assert run.notes.count("step_done") == 10
         assert sum(count for kind, _, count in run.taken if kind != "stepsStarted") == 10
+        # Each attempt is observed once: the four before the failure, it, and the rest.
+        assert run.observed == [("inc", "done")] * 4 + [("inc", "failed")] + [("inc", "done")] * 6
+
+    async def test_a_chained_async_step_that_fails_is_undone_and_retried(self) -> None:
+        """On the loop as in a worker thread: the failing step's changes are undone (not the
+        chain's first step's data put back), the steps before it checkpointed first."""
+        _FAILED.clear()
+        clock = FakeClock()
+        run = Chained(AsyncCounter(n=10, fail_at=4), clock, room=31)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run.resume, Settings(retry_initial_s=5))
+            with anyio.fail_after(10):
+                await until(lambda: len(run.retries) >= 1)
+                assert run.taken[-1] == ("pool", 4, 4)
+                assert isinstance(run.wf, AsyncCounter) and run.wf.i == 4
+                clock.advance(5)
+        assert [r["attempt"] for r in run.retries] == [1]
+        assert isinstance(run.wf, AsyncCounter) and run.wf.i == 10
+        assert run.notes.count("step_done") == 10
+        assert run.observed == [("inc", "done")] * 4 + [("inc", "failed")] + [("inc", "done")] * 6
+
+    async def test_a_chain_hands_back_a_step_that_runs_elsewhere(self) -> None:
+        """A chain of sync steps stops before an async step, a step with a timeout or an
+        inline one; each runs where it belongs, once, in order, and is observed done."""
+        _WHERE.clear()
+        run = Chained(Mixed(), FakeClock(), room=31)
+        with anyio.fail_after(10):
+            await run.resume(Settings())
+        assert isinstance(run.wf, Mixed) and run.wf.ran == list("abcdefgh")
+        loop = threading.get_ident()
+        assert [_WHERE[name] == loop for name in "abcdefgh"] == [
+            False, False, True, False, False, True, True, False
+        ]  # fmt: skip
+        assert run.notes.count("step_done") == 8
+        assert run.observed == [(name, "done") for name in "abcdefgh"]
+        assert run.state.status is WorkflowStatus.FINISHED
+
+    @pytest.mark.parametrize("kind", ["sync", "async"])
+    async def test_a_runaway_chain_is_raised_by_the_engine(self, kind: str) -> None:
+        """Transitions made in a chain count: an endless loop of steps is still caught, on
+        the loop as in a worker thread."""
+        wf = Counter(n=10**9) if kind == "sync" else AsyncCounter(n=10**9)
+        run = Chained(wf, FakeClock(), room=10**9)
+        with anyio.fail_after(30), pytest.raises(RunawayWorkflow):
+            await run.resume(Settings())
+
+    async def test_show_tells_the_chained_step_running_now(self) -> None:
+        """`running` names the step of the chain that runs now, since when it runs."""
+        _GATE.__init__()  # type: ignore[misc] # a fresh gate for this test
+        _ENTERED.clear()
+        run = Chained(Named(), FakeClock(), room=31)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run.resume, Settings())
+            with anyio.fail_after(10):
+                await anyio.to_thread.run_sync(_GATE.entered.wait, 10)
+                assert run.pool is not None
+                (shown,) = [r.shown() for r in run.pool.running.values()]
+                _GATE.open.set()
+        assert shown["step"] == "s3"
+        assert _ENTERED["s2"] <= shown["running_since"] <= _ENTERED["s3"]
+        assert isinstance(run.wf, Named) and run.wf.ran == ["s0", "s1", "s2", "s3", "s4"]
+        assert run.notes.count("step_done") == 5
+        assert run.observed == [(f"s{i}", "done") for i in range(5)]
 
     async def test_a_stop_ends_the_chain_after_the_running_step(self) -> None:
         """A stop (shutdown) lets the running step finish and starts no next one."""
@@ -360,13 +434,67 @@ class TestChain:
 
 @dataclass
 class AsyncCounter(Workflow):
-    """Runs `n` async steps."""
+    """Runs `n` async steps; step `fail_at` fails once (its change undone)."""
 
     n: int = 10
     i: int = 0
+    fail_at: int = -1
 
     async def inc(self) -> None:
+        if self.i == self.fail_at and not _FAILED.get(id(self)):
+            _FAILED[id(self)] = True
+            self.i = -100  # undone with the failed attempt
+            raise RuntimeError("once")
         self.i += 1
 
     def definition(self) -> Section:
         return S(For("loop", self.i < self.n, Step("inc", self.inc)))
+
+
+_ENTERED: dict[str, float] = {}
+
+
+@dataclass
+class Named(Workflow):
+    """Runs sync steps s0 to s4, one after the other; s3 waits for `_GATE`."""
+
+    ran: list[str] = field(default_factory=list)
+
+    def step(self, name: str) -> None:
+        _ENTERED[name] = time.time()
+        if name == "s3":
+            _GATE.entered.set()
+            _GATE.open.wait(10)
+        self.ran.append(name)
+
+    def definition(self) -> Section:
+        return S(*(Step(f"s{i}", partial(self.step, f"s{i}")) for i in range(5)))
+
+
+_WHERE: dict[str, int] = {}
+
+
+@dataclass
+class Mixed(Workflow):
+    """Sync steps a, b, an async c, sync d, e (with a timeout), inline f, async g, sync h."""
+
+    ran: list[str] = field(default_factory=list)
+
+    def sync(self, name: str) -> None:
+        _WHERE[name] = threading.get_ident()
+        self.ran.append(name)
+
+    async def run_async(self, name: str) -> None:
+        self.sync(name)
+
+    def definition(self) -> Section:
+        return S(
+            Step("a", partial(self.sync, "a")),
+            Step("b", partial(self.sync, "b")),
+            Step("c", partial(self.run_async, "c")),
+            Step("d", partial(self.sync, "d")),
+            Step("e", partial(self.sync, "e"), timeout=5),
+            Step("f", partial(self.sync, "f"), inline=True),
+            Step("g", partial(self.run_async, "g")),
+            Step("h", partial(self.sync, "h")),
+        )
