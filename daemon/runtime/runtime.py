@@ -6,6 +6,7 @@ import builtins
 import dataclasses
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Protocol
@@ -41,6 +42,13 @@ from daemon.store.base import History, Position, Shared, Sleepers, Store, Workfl
 
 #: Workflows summarized between two checkpoints of `page` (~2 ms of the event loop).
 SUMMARY_SLICE = 100
+#: Workflows a batch start (a schedule's fires) wrote that run at once at most; the rest wait
+#: their turn, durable, so that the loop's ready queue stays short and the next fires are on
+#: time however many runs are behind.
+ADMIT_MAX = 64
+#: Workflows waiting their turn kept in memory as written at most (a backlog past it costs a
+#: read each when its turn comes, not memory).
+FRESH_MAX = 100_000
 
 log = structlog.get_logger()
 #: Writes a new workflow's row (and whatever must commit with it); False if the id exists.
@@ -149,6 +157,10 @@ class Runtime:
         )
         #: Told each workflow whose actor exited, with its status then (schedules wait on it).
         self.on_exit: Callable[[str, str | None], None] | None = None
+        #: Workflows `launch_many` wrote, waiting for their turn to run, oldest first.
+        self._admitting: deque[str] = deque()
+        #: Of those, the ones let run whose actor has not exited yet (at most ADMIT_MAX).
+        self._admitted: set[str] = set()
         self.scheduler.on_exit = self._exited
         hold = self.scheduler.hold
         # Shared, the janitor is one of the singleton duties: the leader's.
@@ -226,6 +238,10 @@ class Runtime:
         return self.scheduler.running(workflow_id)
 
     def _exited(self, workflow_id: str, status: str | None) -> None:
+        if workflow_id in self._admitted:
+            self._admitted.discard(workflow_id)
+            if self._admitting:
+                self._admit()
         self.endings.exited(workflow_id)
         if self.on_exit is not None:
             self.on_exit(workflow_id, status)
@@ -303,6 +319,10 @@ class Runtime:
     async def wait_idle(self) -> None:
         """Return once no workflow has work in progress (used by tests and shutdown)."""
         await self.scheduler.wait_idle()
+        while self._admitting and not self.scheduler.stopping:  # their turns come as actors exit
+            self._admit()
+            await anyio.lowlevel.checkpoint()
+            await self.scheduler.wait_idle()
 
     async def drain(self, grace_s: float) -> bool:
         """Stop taking work and wait up to `grace_s` for running steps; True if all finished."""
@@ -450,13 +470,27 @@ class Runtime:
         for p, inserted in zip(prepared, created, strict=True):
             try:
                 out.append(
-                    self._launch(p.loaded, p.row, quiet=True)
+                    self._launch(p.loaded, p.row, quiet=True, later=True)
                     if inserted
                     else await self._existing(p.row.id, p.row.name)
                 )
             except Exception as e:  # noqa: BLE001 - answered to its caller, the others go on
                 out.append(e)
+        self._admit()
         return out
+
+    def _admit(self) -> None:
+        """Let the workflows waiting their turn run, up to ADMIT_MAX at once.
+
+        Each is durable (Resuming) from its write on: one not let run before a crash or a
+        shutdown is resumed by the next start's recovery.
+        """
+        waiting, admitted, scheduler = self._admitting, self._admitted, self.scheduler
+        while waiting and len(admitted) < ADMIT_MAX and not scheduler.stopping:
+            wid = waiting.popleft()
+            scheduler.submit(wid, Item("resume"))
+            if scheduler.running(wid):  # not parked by a hold: its exit frees the turn
+                admitted.add(wid)
 
     def _new_row(
         self,
@@ -505,8 +539,13 @@ class Runtime:
             )
         return {"workflow_id": wid, "status": existing.status, "created": False}
 
-    def _launch(self, loaded: Loaded, row: WorkflowRow, *, quiet: bool = False) -> dict[str, Any]:
-        """Run a workflow whose row was just written; `quiet` when the caller logs the start."""
+    def _launch(
+        self, loaded: Loaded, row: WorkflowRow, *, quiet: bool = False, later: bool = False
+    ) -> dict[str, Any]:
+        """Run a workflow whose row was just written; `quiet` when the caller logs the start.
+
+        `later`: it waits for its turn (`_admit`) instead of running at once.
+        """
         wid = row.id
         if not quiet:
             log.info("workflow_started", workflow_id=wid, workflow=row.name, parent=row.parent)
@@ -514,8 +553,13 @@ class Runtime:
             return {"workflow_id": wid, "status": loaded.state.status.value, "created": True}
         if row.deadline is not None:
             self.deadlines.add(wid, row.deadline)
-        self.cache.remember(loaded)
-        self.scheduler.submit(wid, Item("resume"))
+        if later:
+            if len(self.cache.fresh) < FRESH_MAX:  # past it, its run reads its row
+                self.cache.fresh[wid] = loaded
+            self._admitting.append(wid)
+        else:
+            self.cache.remember(loaded)
+            self.scheduler.submit(wid, Item("resume"))
         return {"workflow_id": wid, "status": loaded.state.status.value, "created": True}
 
     async def send(
@@ -809,8 +853,11 @@ class Runtime:
         return await self.store.counts()
 
     def busy(self) -> int:
-        """Count the workflows with a step, callback or resume in flight (not a retry backoff)."""
-        return self.scheduler.busy()
+        """Count the workflows with a step, callback or resume in flight (not a retry backoff).
+
+        Started workflows waiting for their turn to run count too.
+        """
+        return self.scheduler.busy() + len(self._admitting)
 
     def subscribe_logs(
         self, workflow_id: str | None = None, *, follow: bool = True

@@ -71,6 +71,21 @@ TRIM_HISTORY_MANY = (
 
 #: Which of a JSON array of ids are taken: one statement for any number of them.
 EXISTING = "SELECT id FROM workflows WHERE id IN (SELECT value FROM json_each(?))"
+#: A fire record numbered in SQL from its schedule's `fire_seq`, which its UPDATE just advanced.
+INSERT_FIRE_AT = (
+    "INSERT INTO schedule_fires (schedule, seq, at, kind, nominal, workflow_id, reason, count)"
+    " SELECT name, fire_seq - ?, ?, ?, ?, ?, ?, ? FROM schedules WHERE name = ?"
+)
+#: Of a JSON array of [schedule, records added], the schedules (and their `fire_seq`) past
+#: FIRES_KEPT (?2) whose counter just passed a multiple of TRIM_EVERY (?3).
+DUE_TRIMS = (
+    "SELECT s.name, s.fire_seq FROM json_each(?1) j"
+    " JOIN schedules s ON s.name = json_extract(j.value, '$[0]')"
+    " WHERE s.fire_seq > ?2 AND s.fire_seq % ?3 < json_extract(j.value, '$[1]')"
+)
+#: The columns a fire advances: its workflow, its time (and its nominal time).
+_FIRED = ("last_workflow_id", "last_fire_at")
+_FIRED_AT = (*_FIRED, "last_nominal")
 
 
 @dataclass(slots=True)
@@ -505,73 +520,97 @@ class SQLiteStore(Reads):
     async def schedule_fire_many(self, fires: Sequence[ScheduleFire]) -> builtins.list[bool]:
         """Insert each fire's workflow and advance its schedule, all in one transaction.
 
-        An existing id is left as is and its schedule still advances; True where inserted.
-        The records' `at` is stamped inside the transaction: when the fire was committed.
+        An existing id is left as is and its schedule still advances; True where inserted (of
+        two fires of one id, the first). The records' `at` is stamped inside the transaction:
+        when the fire was committed. The write goes ahead of the writes waiting (the runs of
+        earlier fires must not make these late), and its rows are built by the writer thread.
         """
         clock = get_clock()
-        now = clock.now()
-        work = []
-        for f in fires:
-            row = f.row
-            entries = [(now, kind, schema.to_json(detail)) for kind, detail in f.history]
-            params = (
-                row.id, row.name, row.status, row.data, row.state, row.error, row.attempt,
-                row.next_run_at, row.created_at or now, row.updated_at or now, row.parent,
-                row.deadline, len(entries),
-            )  # fmt: skip
-            sets: dict[str, Any] = {"last_workflow_id": row.id, "last_fire_at": now}
-            if f.last_nominal is not None:
-                sets["last_nominal"] = f.last_nominal
-            if f.clear_buffered:
-                sets["buffered"] = None
-            work.append((f, params, entries, sets))
+        fires = builtins.list(fires)
 
         def apply(conn: sqlite3.Connection) -> builtins.list[bool]:
             stamp = clock.now()
-            ids = [f.row.id for f, *_ in work]
-            existing = {
-                r[0] for r in _in_chunks(conn, "SELECT id FROM workflows WHERE id IN ({})", ids)
-            }
-            created = [wid not in existing for wid in ids]
+            ids = [f.row.id for f in fires]
+            taken = {wid for (wid,) in conn.execute(EXISTING, (_encode(ids).decode(),))}
+            created = []
+            for wid in ids:
+                created.append(wid not in taken)
+                taken.add(wid)
+            fresh = [f for f, made in zip(fires, created, strict=True) if made]
             conn.executemany(
                 schema.INSERT_WORKFLOW,
-                [w[1] for w, made in zip(work, created, strict=True) if made],
+                [
+                    (
+                        r.id,
+                        r.name,
+                        r.status,
+                        r.data,
+                        r.state,
+                        r.error,
+                        r.attempt,
+                        r.next_run_at,
+                        r.created_at or stamp,
+                        r.updated_at or stamp,
+                        r.parent,
+                        r.deadline,
+                        len(f.history),
+                    )
+                    for f in fresh
+                    for r in (f.row,)
+                ],
             )
             conn.executemany(
                 schema.INSERT_HISTORY,
                 [
-                    (f.row.id, i + 1, *e)
-                    for (f, _, entries, _), made in zip(work, created, strict=True)
-                    if made
-                    for i, e in enumerate(entries)
+                    (f.row.id, i + 1, stamp, kind, _encode(detail).decode())
+                    for f in fresh
+                    for i, (kind, detail) in enumerate(f.history)
                 ],
             )
             # One UPDATE statement for each set of columns (a batch mostly has one).
             updates: dict[tuple[str, ...], builtins.list[tuple[Any, ...]]] = {}
-            for f, _, _, sets in work:
-                updates.setdefault(tuple(sets), []).append((*sets.values(), len(f.records), f.name))
-            for columns, rows in updates.items():
-                conn.executemany(_advance_sql(columns), rows)
-            names = [f.name for f, *_ in work]
-            sql = "SELECT name, fire_seq FROM schedules WHERE name IN ({})"
-            seqs = dict(_in_chunks(conn, sql, names))
-            fired, trims = [], []
-            for f, *_ in work:
-                last = seqs.get(f.name)
-                if last is None:
-                    raise ScheduleNotFound(f"no schedule {f.name!r}")
-                first = last - len(f.records) + 1
-                fired += [
-                    (f.name, first + i, stamp, r.kind, r.nominal, r.workflow_id, r.reason, r.count)
+            key: tuple[str, ...]
+            row: tuple[Any, ...]
+            for f in fires:
+                if f.last_nominal is None:
+                    key, row = _FIRED, (f.row.id, stamp, len(f.records), f.name)
+                else:
+                    key, row = _FIRED_AT, (f.row.id, stamp, f.last_nominal, len(f.records), f.name)
+                if f.clear_buffered:
+                    key, row = (*key, "buffered"), (*row[:-2], None, *row[-2:])
+                updates.setdefault(key, []).append(row)
+            changed = sum(
+                conn.executemany(_advance_sql(k), rows).rowcount for k, rows in updates.items()
+            )
+            if changed != len(fires):
+                known = set(
+                    dict(
+                        _in_chunks(
+                            conn,
+                            "SELECT name, 1 FROM schedules WHERE name IN ({})",
+                            [f.name for f in fires],
+                        )
+                    )
+                )
+                missing = next(f.name for f in fires if f.name not in known)
+                raise ScheduleNotFound(f"no schedule {missing!r}")
+            # Numbered in SQL from the counter the UPDATE just advanced, as history rows are.
+            conn.executemany(
+                INSERT_FIRE_AT,
+                [
+                    (n - 1 - i, stamp, r.kind, r.nominal, r.workflow_id, r.reason, r.count, f.name)
+                    for f in fires
+                    for n in (len(f.records),)
                     for i, r in enumerate(f.records)
-                ]
-                if last > schema.FIRES_KEPT and (first - 1) // TRIM_EVERY != last // TRIM_EVERY:
-                    trims.append((f.name, last - schema.FIRES_KEPT))
-            conn.executemany(schema.INSERT_FIRE, fired)
-            conn.executemany(schema.TRIM_FIRES, trims)
+                ],
+            )
+            # Trimmed every TRIM_EVERY records (the ones whose counter just passed a multiple).
+            added = _encode([[f.name, len(f.records)] for f in fires if f.records]).decode()
+            trims = conn.execute(DUE_TRIMS, (added, schema.FIRES_KEPT, TRIM_EVERY)).fetchall()
+            conn.executemany(schema.TRIM_FIRES, [(n, seq - schema.FIRES_KEPT) for n, seq in trims])
             return created
 
-        created: builtins.list[bool] = await self._writes.submit(apply)
+        created: builtins.list[bool] = await self._writes.submit_first(apply)
         return created
 
     async def schedule_note(
