@@ -61,11 +61,12 @@ CreateMany = Callable[[Sequence[tuple[WorkflowRow, History]]], Awaitable[builtin
 class Prepared:
     """A workflow built by `Runtime.prepare_many`, not yet written: `launch_many` starts it."""
 
-    loaded: Loaded
     row: WorkflowRow
     history: History
     #: Its deadline's seconds, counted again from the write (None: no deadline).
     timeout: float | None
+    #: Makes the workflow in memory, as its row holds it, from its id: when it first runs.
+    make: Callable[[str], Loaded]
 
 
 class LogSource(Protocol):
@@ -430,7 +431,7 @@ class Runtime:
             key = (workflow, _input_key(input))
             twin = built.get(key) if key[1] is not None else None
             if twin is not None and self.cache.workflow_type(workflow) is type(twin.wf):
-                out.append(twin.make(wid, workflow, input, self.clock.now()))
+                out.append(twin.make(wid, input, self.clock.now()))
                 continue
             try:
                 loaded, row, history = self._new_row(workflow, wid, input, None, None)
@@ -442,7 +443,7 @@ class Runtime:
                 made = _Twin.of(loaded.wf, row, timeout)
                 if made is not None:
                     built[key] = made
-            out.append(Prepared(loaded, row, history, timeout))
+            out.append(Prepared(row, history, timeout, _kept(loaded)))
         return out
 
     async def launch_many(
@@ -470,7 +471,7 @@ class Runtime:
         for p, inserted in zip(prepared, created, strict=True):
             try:
                 out.append(
-                    self._launch(p.loaded, p.row, quiet=True, later=True)
+                    self._admitted_later(p)
                     if inserted
                     else await self._existing(p.row.id, p.row.name)
                 )
@@ -478,6 +479,19 @@ class Runtime:
                 out.append(e)
         self._admit()
         return out
+
+    def _admitted_later(self, p: Prepared) -> dict[str, Any]:
+        """Run a workflow `launch_many` just wrote when its turn comes (`_admit`)."""
+        row = p.row
+        wid = row.id
+        if self.leases is not None:  # whichever daemon is free claims it (woken by a NOTIFY)
+            return {"workflow_id": wid, "status": row.status, "created": True}
+        if row.deadline is not None:
+            self.deadlines.add(wid, row.deadline)
+        if len(self.cache.fresh) < FRESH_MAX:  # past it, its run reads its row
+            self.cache.fresh[wid] = p.make
+        self._admitting.append(wid)
+        return {"workflow_id": wid, "status": row.status, "created": True}
 
     def _admit(self) -> None:
         """Let the workflows waiting their turn run, up to ADMIT_MAX at once.
@@ -539,13 +553,8 @@ class Runtime:
             )
         return {"workflow_id": wid, "status": existing.status, "created": False}
 
-    def _launch(
-        self, loaded: Loaded, row: WorkflowRow, *, quiet: bool = False, later: bool = False
-    ) -> dict[str, Any]:
-        """Run a workflow whose row was just written; `quiet` when the caller logs the start.
-
-        `later`: it waits for its turn (`_admit`) instead of running at once.
-        """
+    def _launch(self, loaded: Loaded, row: WorkflowRow, *, quiet: bool = False) -> dict[str, Any]:
+        """Run a workflow whose row was just written; `quiet` when the caller logs the start."""
         wid = row.id
         if not quiet:
             log.info("workflow_started", workflow_id=wid, workflow=row.name, parent=row.parent)
@@ -553,13 +562,8 @@ class Runtime:
             return {"workflow_id": wid, "status": loaded.state.status.value, "created": True}
         if row.deadline is not None:
             self.deadlines.add(wid, row.deadline)
-        if later:
-            if len(self.cache.fresh) < FRESH_MAX:  # past it, its run reads its row
-                self.cache.fresh[wid] = loaded
-            self._admitting.append(wid)
-        else:
-            self.cache.remember(loaded)
-            self.scheduler.submit(wid, Item("resume"))
+        self.cache.remember(loaded)
+        self.scheduler.submit(wid, Item("resume"))
         return {"workflow_id": wid, "status": loaded.state.status.value, "created": True}
 
     async def send(
@@ -962,6 +966,7 @@ class _Twin:
     """
 
     wf: Workflow
+    name: str
     data: str
     state: tuple[str, str]
     timeout: float | None
@@ -973,26 +978,37 @@ class _Twin:
         before, found, after = State.new(mark[1:-1], row.name).to_json().partition(mark)
         if not found or mark in after:
             return None
-        return cls(wf, row.data, (before, after), timeout)
+        return cls(wf, row.name, row.data, (before, after), timeout)
 
-    def make(self, wid: str, workflow: str, input: dict[str, Any] | None, now: float) -> Prepared:
+    def make(self, wid: str, input: dict[str, Any] | None, now: float) -> Prepared:
         """Return a new start of this type and input, with id `wid`."""
-        wf = _copy(self.wf)
-        state = State.new(wid, workflow)
         before, after = self.state
         deadline = None if self.timeout is None else now + self.timeout
         row = WorkflowRow(
             wid,
-            workflow,
-            state.status,
+            self.name,
+            _RESUMING,
             self.data,
-            f"{before}{msgspec.json.encode(wid).decode()}{after}",
+            f"{before}{_encode(wid).decode()}{after}",
             deadline=deadline,
         )
         started: dict[str, Any] = {"input": input or {}}
         if deadline is not None:
             started["deadline"] = deadline
-        return Prepared(Loaded(wf, state), row, [("started", started)], self.timeout)
+        return Prepared(row, [("started", started)], self.timeout, self.loaded)
+
+    def loaded(self, wid: str) -> Loaded:
+        """Return the workflow in memory as a start of this twin with id `wid` wrote it."""
+        return Loaded(_copy(self.wf), State.new(wid, self.name))
+
+
+def _kept(loaded: Loaded) -> Callable[[str], Loaded]:
+    """Return a maker of `loaded`, built already."""
+    return lambda _: loaded
+
+
+_RESUMING = WorkflowStatus.RESUMING.value
+_encode = msgspec.json.Encoder().encode
 
 
 def _cancelled_again(workflow_id: str, status: str) -> dict[str, Any]:
