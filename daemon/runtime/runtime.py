@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import dataclasses
 import time
@@ -45,7 +46,7 @@ SUMMARY_SLICE = 100
 #: Workflows a batch start (a schedule's fires) wrote that run at once at most; the rest wait
 #: their turn, durable, so that the loop's ready queue stays short and the next fires are on
 #: time however many runs are behind.
-ADMIT_MAX = 64
+ADMIT_MAX = 128
 #: Workflows waiting their turn kept in memory as written at most (a backlog past it costs a
 #: read each when its turn comes, not memory).
 FRESH_MAX = 100_000
@@ -162,6 +163,10 @@ class Runtime:
         self._admitting: deque[str] = deque()
         #: Of those, the ones let run whose actor has not exited yet (at most ADMIT_MAX).
         self._admitted: set[str] = set()
+        #: `launch_many` writes in flight (work in progress too), and an event set when none is.
+        self._launching = 0
+        self._launched = asyncio.Event()
+        self._launched.set()
         self.scheduler.on_exit = self._exited
         hold = self.scheduler.hold
         # Shared, the janitor is one of the singleton duties: the leader's.
@@ -319,11 +324,15 @@ class Runtime:
 
     async def wait_idle(self) -> None:
         """Return once no workflow has work in progress (used by tests and shutdown)."""
-        await self.scheduler.wait_idle()
-        while self._admitting and not self.scheduler.stopping:  # their turns come as actors exit
-            self._admit()
-            await anyio.lowlevel.checkpoint()
+        while True:
             await self.scheduler.wait_idle()
+            if self._launching:  # a batch being written runs once it is
+                await self._launched.wait()
+            elif self._admitting and not self.scheduler.stopping:  # turns come as actors exit
+                self._admit()
+                await anyio.lowlevel.checkpoint()
+            else:
+                return
 
     async def drain(self, grace_s: float) -> bool:
         """Stop taking work and wait up to `grace_s` for running steps; True if all finished."""
@@ -466,7 +475,14 @@ class Runtime:
             if p.timeout is not None:
                 row.deadline = clock_now + p.timeout
                 p.history[0][1]["deadline"] = row.deadline
-        created = await create([(p.row, p.history) for p in prepared])
+        self._launching += 1
+        self._launched.clear()
+        try:
+            created = await create([(p.row, p.history) for p in prepared])
+        finally:
+            self._launching -= 1
+            if not self._launching:
+                self._launched.set()
         out: builtins.list[dict[str, Any] | Exception] = []
         for p, inserted in zip(prepared, created, strict=True):
             try:
@@ -859,9 +875,9 @@ class Runtime:
     def busy(self) -> int:
         """Count the workflows with a step, callback or resume in flight (not a retry backoff).
 
-        Started workflows waiting for their turn to run count too.
+        Started workflows being written or waiting for their turn to run count too.
         """
-        return self.scheduler.busy() + len(self._admitting)
+        return self.scheduler.busy() + len(self._admitting) + self._launching
 
     def subscribe_logs(
         self, workflow_id: str | None = None, *, follow: bool = True
@@ -957,7 +973,7 @@ def _copy(wf: Workflow) -> Workflow:
     return twin
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class _Twin:
     """What the starts of one type and input share: made once, each start is a copy of it.
 
@@ -970,6 +986,12 @@ class _Twin:
     data: str
     state: tuple[str, str]
     timeout: float | None
+    #: `loaded`, bound once: every start of the twin waiting its turn shares it (no object
+    #: of its own for the GC to scan while it waits).
+    maker: Callable[[str], Loaded] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.maker = self.loaded
 
     @classmethod
     def of(cls, wf: Workflow, row: WorkflowRow, timeout: float | None) -> _Twin | None:
@@ -995,7 +1017,7 @@ class _Twin:
         started: dict[str, Any] = {"input": input or {}}
         if deadline is not None:
             started["deadline"] = deadline
-        return Prepared(row, [("started", started)], self.timeout, self.loaded)
+        return Prepared(row, [("started", started)], self.timeout, self.maker)
 
     def loaded(self, wid: str) -> Loaded:
         """Return the workflow in memory as a start of this twin with id `wid` wrote it."""
