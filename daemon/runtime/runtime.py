@@ -435,12 +435,14 @@ class Runtime:
         self._check_open()
         out: builtins.list[Prepared | Exception] = []
         #: (type, input as JSON) -> a workflow built from them: schedules share their input.
+        #: Made in this call, from the classes registered now (nothing can reload meanwhile).
         built: dict[tuple[str, bytes | None], _Twin] = {}
+        now = self.clock.now()
         for workflow, wid, input in starts:
             key = (workflow, _input_key(input))
             twin = built.get(key) if key[1] is not None else None
-            if twin is not None and self.cache.workflow_type(workflow) is type(twin.wf):
-                out.append(twin.make(wid, input, self.clock.now()))
+            if twin is not None:
+                out.append(twin.make(wid, input, now))
                 continue
             try:
                 loaded, row, history = self._new_row(workflow, wid, input, None, None)
