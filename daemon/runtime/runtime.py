@@ -451,7 +451,9 @@ class Runtime:
                 continue
             timeout = None if row.deadline is None else timeout_of(type(loaded.wf))
             if key[1] is not None and _copyable(loaded.wf):
-                made = _Twin.of(loaded.wf, row, timeout)
+                # A copy of its own: the first start's object runs (and changes) before the
+                # copies of the others are made, at their turns.
+                made = _Twin.of(_copy(loaded.wf), row, timeout)
                 if made is not None:
                     built[key] = made
             out.append(Prepared(row, history, timeout, _kept(loaded)))

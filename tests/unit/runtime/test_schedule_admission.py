@@ -33,9 +33,11 @@ class Turn(Workflow):
     gate: ClassVar[list[anyio.Event]] = []
     ran: ClassVar[list[str]] = []
     label: str = ""
+    steps: int = 0
 
     async def through(self) -> None:
         await Turn.gate[0].wait()
+        self.steps += 1
         Turn.ran.append(self.label)
 
     def definition(self) -> Section:
@@ -60,15 +62,17 @@ async def running(db: Path, **settings: Any) -> AsyncIterator[Runtime]:
         yield rt
 
 
-async def start_batch(rt: Runtime, ids: Sequence[str]) -> None:
-    """Start `ids` as one batch, as a schedule's fires are."""
+async def start_batch(rt: Runtime, ids: Sequence[str], label: str | None = None) -> None:
+    """Start `ids` as one batch, as a schedule's fires are (each labelled with its id, or all
+    with `label`: one input shared, as one schedule's fires share theirs)."""
     assert isinstance(rt.store, SQLiteStore)
     store = rt.store
 
     async def create(rows: Sequence[tuple[WorkflowRow, History]]) -> list[bool]:
         return [await store.create(row, history) for row, history in rows]
 
-    out = await rt.start_many([("Turn", wid, {"label": wid}) for wid in ids], create=create)
+    starts = [("Turn", wid, {"label": label or wid}) for wid in ids]
+    out = await rt.start_many(starts, create=create)
     assert all(isinstance(o, dict) and o["created"] for o in out)
 
 
@@ -157,3 +161,15 @@ async def test_held_ones_take_no_turn(tmp_path: Path) -> None:
             assert len(rt.scheduler) == 0 and rt.busy() == 0
             assert await statuses(rt, IDS) == ["Resuming"] * 10
             assert Turn.ran == []
+
+
+async def test_a_shared_input_is_each_ones_own(tmp_path: Path) -> None:
+    """Starts of one input run, each in its turn, from that input: not from the data of one
+    that ran before (they share what was built from it)."""
+    with anyio.fail_after(20):
+        async with running(tmp_path / "wf.db") as rt:
+            Turn.gate[0].set()
+            await start_batch(rt, IDS, label="same")
+            for wid in IDS:
+                shown = await wait_runtime_status(rt, wid, "Finished")
+                assert (shown["data"]["label"], shown["data"]["steps"]) == ("same", 1), wid
