@@ -61,6 +61,10 @@ class Cache:
         #: Checks a workflow against the code at its first load; False: it is held (the
         #: runtime sets it).
         self.vet: Callable[[WorkflowRow, Loaded], bool] = lambda row, loaded: True
+        #: Workflows just written that wait for their turn to run, as they were written: the
+        #: first load takes its one from here instead of reading the store (kept out of the
+        #: LRU, which would drop the oldest, the next to run, first).
+        self.fresh: dict[str, Callable[[str], Loaded]] = {}
 
     def workflow_type(self, name: str) -> type[Workflow]:
         """Return the registered class called `name`, or raise UnknownWorkflowType."""
@@ -91,6 +95,13 @@ class Cache:
         if loaded is not None:
             self._loaded.move_to_end(workflow_id)
             return loaded
+        make = self.fresh.pop(workflow_id, None)
+        if make is not None:
+            loaded = make(workflow_id)
+            # Made with the class of its start: one a reload replaced since reads the store.
+            if type(loaded.wf) is self.registry.get(loaded.state.workflow):
+                self.remember(loaded)
+                return loaded
         row = await self._store.get(workflow_id)
         if row is None:
             raise WorkflowNotFound(f"no workflow {workflow_id!r}")
@@ -137,3 +148,4 @@ class Cache:
     def forget(self, workflow_id: str) -> None:
         """Drop a workflow from the cache so the next load reads the store."""
         self._loaded.pop(workflow_id, None)
+        self.fresh.pop(workflow_id, None)

@@ -121,6 +121,14 @@ class Entry:
         """Return what the schedule does next, as of `now`."""
         return plan(self.schedule, last=self.last, now=now, live_since=self.live_since)
 
+    def next_due(self, now: float, spacing_s: float) -> float:
+        """Return `due_at(plan(now))` without building the plan when nothing was missed."""
+        s = self.schedule
+        first = s.next_nominal(self.last)
+        if first >= self.live_since:  # plan's on-time case
+            return max(first + s.jitter(first), self.fired_at + spacing_s)
+        return self.due_at(self.plan(now), spacing_s)
+
     def due_at(self, p: Plan, spacing_s: float) -> float:
         """Return when plan `p` is carried out: a start waits `spacing_s` after the last one."""
         if p.nominal is None:

@@ -373,7 +373,7 @@ class Schedules:
                 continue
             e.failures = 0
             # Put back for when it is due next (planned again then, as it is popped).
-            self._push(e, now if e.release_due else e.due_at(e.plan(now), self._fires.spacing_s))
+            self._push(e, now if e.release_due else e.next_due(now, self._fires.spacing_s))
 
     async def _worker(self) -> None:
         while True:

@@ -472,9 +472,9 @@ class PostgresStore(Reads):
 
         An existing id is left as is and its schedule still advances, with no records: the
         id is the fire's unique key, so another daemon fired that time first and recorded it.
-        True where inserted. The records' `at` is stamped inside the transaction: when the
-        fire was committed. A batch is a few statements over arrays (`unnest`), not a few
-        per fire.
+        True where inserted (of two fires of one id, the first). The records' `at` is stamped
+        inside the transaction: when the fire was committed. A batch is a few statements over
+        arrays (`unnest`), not a few per fire.
         """
         clock = get_clock()
         now = clock.now()
@@ -483,19 +483,25 @@ class PostgresStore(Reads):
             builtins.list(c) for c in zip(*rows, strict=True)
         ]
         history = [
-            (f.row.id, i + 1, now, kind, to_json(detail))
+            [
+                (f.row.id, i + 1, now, kind, to_json(detail))
+                for i, (kind, detail) in enumerate(f.history)
+            ]
             for f in fires
-            for i, (kind, detail) in enumerate(f.history)
         ]
 
         async def apply(conn: Conn) -> builtins.list[bool]:
             stamp = clock.now()
             made = {r[0] for r in await conn.fetch(_INSERT_WORKFLOWS, *columns)}
-            new = [h for h in history if h[0] in made]
+            created = []
+            for f in fires:  # of two fires of one id, the first inserted it
+                created.append(f.row.id in made)
+                made.discard(f.row.id)
+            new = [h for rows, c in zip(history, created, strict=True) if c for h in rows]
             if new:
                 await conn.execute(_INSERT_HISTORIES, *map(builtins.list, zip(*new, strict=True)))
                 await conn.execute(NOTIFY_WORK)
-            records = [f.records if f.row.id in made else () for f in fires]
+            records = [f.records if c else () for f, c in zip(fires, created, strict=True)]
             advance = (
                 [f.name for f in fires],
                 [f.row.id for f in fires],
@@ -520,7 +526,7 @@ class PostgresStore(Reads):
                 await conn.execute(_INSERT_FIRES, *map(builtins.list, zip(*fired, strict=True)))
             if trims:
                 await conn.execute(_TRIM_MANY, *map(builtins.list, zip(*trims, strict=True)))
-            return [f.row.id in made for f in fires]
+            return created
 
         created: builtins.list[bool] = await self._writes.submit(apply)
         return created

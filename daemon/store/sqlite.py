@@ -77,6 +77,50 @@ TRIM_HISTORY_MANY = (
 
 #: Which of a JSON array of ids are taken: one statement for any number of them.
 EXISTING = "SELECT id FROM workflows WHERE id IN (SELECT value FROM json_each(?))"
+#: `schedule_fire_many`'s statements, each over a JSON array of rows (?1), stamped with ?2.
+#: json_extract returns a number exactly as it was encoded (tested), text unescaped.
+FIRE_WORKFLOWS = (
+    f"INSERT INTO workflows ({schema.COLS}, history_seq) SELECT "
+    + ", ".join(
+        f"coalesce(json_extract(value, '$[{i}]'), ?2)"
+        if i in (8, 9)  # created_at, updated_at: the write's time unless given
+        else f"json_extract(value, '$[{i}]')"
+        for i in range(13)
+    )
+    + " FROM json_each(?1) WHERE true ON CONFLICT (id) DO NOTHING"
+)
+FIRE_HISTORY = (
+    "INSERT INTO history (workflow_id, seq, at, kind, detail) SELECT json_extract(value, '$[0]'),"
+    " json_extract(value, '$[1]'), ?2, json_extract(value, '$[2]'), json_extract(value, '$[3]')"
+    " FROM json_each(?1)"
+)
+#: Rows [schedule, workflow id, nominal time or null, clear buffered (0/1), records added].
+FIRE_ADVANCE = (
+    "UPDATE schedules SET last_workflow_id = a.wid, last_fire_at = ?2,"
+    " last_nominal = CASE WHEN a.nominal IS NULL THEN last_nominal"
+    " ELSE max(last_nominal, a.nominal) END,"
+    " buffered = CASE WHEN a.clear THEN NULL ELSE buffered END, fire_seq = fire_seq + a.n"
+    " FROM (SELECT json_extract(value, '$[0]') AS name, json_extract(value, '$[1]') AS wid,"
+    " json_extract(value, '$[2]') AS nominal, json_extract(value, '$[3]') AS clear,"
+    " json_extract(value, '$[4]') AS n FROM json_each(?1)) AS a WHERE schedules.name = a.name"
+)
+#: Rows [schedule, offset from its new fire_seq, kind, nominal, workflow id, reason, count].
+FIRE_RECORDS = (
+    "INSERT INTO schedule_fires (schedule, seq, at, kind, nominal, workflow_id, reason, count)"
+    " SELECT s.name, s.fire_seq - json_extract(j.value, '$[1]'), ?2,"
+    " json_extract(j.value, '$[2]'), json_extract(j.value, '$[3]'),"
+    " json_extract(j.value, '$[4]'), json_extract(j.value, '$[5]'), json_extract(j.value, '$[6]')"
+    " FROM json_each(?1) j JOIN schedules s ON s.name = json_extract(j.value, '$[0]')"
+)
+#: The records past FIRES_KEPT (?2) of the schedules of FIRE_ADVANCE's rows (?1) whose
+#: counter just passed a multiple of TRIM_EVERY (?3).
+FIRE_TRIMS = (
+    "DELETE FROM schedule_fires WHERE rowid IN (SELECT f.rowid FROM json_each(?1) j"
+    " JOIN schedules s ON s.name = json_extract(j.value, '$[0]')"
+    " AND s.fire_seq > ?2 AND s.fire_seq % ?3 < json_extract(j.value, '$[4]')"
+    " JOIN schedule_fires f ON f.schedule = s.name AND f.seq <= s.fire_seq - ?2)"
+)
+KNOWN_SCHEDULES = "SELECT name FROM schedules WHERE name IN (SELECT value FROM json_each(?))"
 
 
 @dataclass(slots=True)
@@ -577,73 +621,66 @@ class SQLiteStore(Reads):
     async def schedule_fire_many(self, fires: Sequence[ScheduleFire]) -> builtins.list[bool]:
         """Insert each fire's workflow and advance its schedule, all in one transaction.
 
-        An existing id is left as is and its schedule still advances; True where inserted.
-        The records' `at` is stamped inside the transaction: when the fire was committed.
+        An existing id is left as is and its schedule still advances; True where inserted (of
+        two fires of one id, the first). The records' `at` is stamped inside the transaction:
+        when the fire was committed. The write goes ahead of the writes waiting (the runs of
+        earlier fires must not make these late).
         """
         clock = get_clock()
-        now = clock.now()
-        work = []
-        for f in fires:
-            row = f.row
-            entries = [(now, kind, schema.to_json(detail)) for kind, detail in f.history]
-            params = (
-                row.id, row.name, row.status, row.data, row.state, row.error, row.attempt,
-                row.next_run_at, row.created_at or now, row.updated_at or now, row.parent,
-                row.deadline, len(entries),
-            )  # fmt: skip
-            sets: dict[str, Any] = {"last_workflow_id": row.id, "last_fire_at": now}
-            if f.last_nominal is not None:
-                sets["last_nominal"] = f.last_nominal
-            if f.clear_buffered:
-                sets["buffered"] = None
-            work.append((f, params, entries, sets))
+        fires = builtins.list(fires)
 
         def apply(conn: sqlite3.Connection) -> builtins.list[bool]:
+            # Each table takes the whole batch in one statement over a JSON array: one step,
+            # so the writer thread gives up the GIL (and waits to get it back from a busy
+            # loop) once per table, not once per row as `executemany` does.
             stamp = clock.now()
-            ids = [f.row.id for f, *_ in work]
-            existing = {
-                r[0] for r in _in_chunks(conn, "SELECT id FROM workflows WHERE id IN ({})", ids)
-            }
-            created = [wid not in existing for wid in ids]
-            conn.executemany(
-                schema.INSERT_WORKFLOW,
-                [w[1] for w, made in zip(work, created, strict=True) if made],
-            )
-            conn.executemany(
-                schema.INSERT_HISTORY,
-                [
-                    (f.row.id, i + 1, *e)
-                    for (f, _, entries, _), made in zip(work, created, strict=True)
-                    if made
-                    for i, e in enumerate(entries)
-                ],
-            )
-            # One UPDATE statement for each set of columns (a batch mostly has one).
-            updates: dict[tuple[str, ...], builtins.list[tuple[Any, ...]]] = {}
-            for f, _, _, sets in work:
-                updates.setdefault(tuple(sets), []).append((*sets.values(), len(f.records), f.name))
-            for columns, rows in updates.items():
-                conn.executemany(_advance_sql(columns), rows)
-            names = [f.name for f, *_ in work]
-            sql = "SELECT name, fire_seq FROM schedules WHERE name IN ({})"
-            seqs = dict(_in_chunks(conn, sql, names))
-            fired, trims = [], []
-            for f, *_ in work:
-                last = seqs.get(f.name)
-                if last is None:
-                    raise ScheduleNotFound(f"no schedule {f.name!r}")
-                first = last - len(f.records) + 1
-                fired += [
-                    (f.name, first + i, stamp, r.kind, r.nominal, r.workflow_id, r.reason, r.count)
-                    for i, r in enumerate(f.records)
+            ids = [f.row.id for f in fires]
+            taken = {wid for (wid,) in conn.execute(EXISTING, (_encode(ids).decode(),))}
+            created = []
+            for wid in ids:
+                created.append(wid not in taken)
+                taken.add(wid)
+            fresh = [f for f, made in zip(fires, created, strict=True) if made]
+            if fresh:
+                rows = [
+                    (r.id, r.name, r.status, r.data, r.state, r.error, r.attempt, r.next_run_at,
+                     r.created_at or None, r.updated_at or None, r.parent, r.deadline,
+                     len(f.history))
+                    for f in fresh
+                    for r in (f.row,)
+                ]  # fmt: skip
+                conn.execute(FIRE_WORKFLOWS, (_encode(rows).decode(), stamp))
+                history = [
+                    (f.row.id, i + 1, kind, _encode(detail).decode())
+                    for f in fresh
+                    for i, (kind, detail) in enumerate(f.history)
                 ]
-                if last > schema.FIRES_KEPT and (first - 1) // TRIM_EVERY != last // TRIM_EVERY:
-                    trims.append((f.name, last - schema.FIRES_KEPT))
-            conn.executemany(schema.INSERT_FIRE, fired)
-            conn.executemany(schema.TRIM_FIRES, trims)
+                if history:
+                    conn.execute(FIRE_HISTORY, (_encode(history).decode(), stamp))
+            advances = [
+                (f.name, f.row.id, f.last_nominal, int(f.clear_buffered), len(f.records))
+                for f in fires
+            ]
+            batch = _encode(advances).decode()
+            if conn.execute(FIRE_ADVANCE, (batch, stamp)).rowcount != len(fires):
+                names = _encode([f.name for f in fires]).decode()
+                known = {n for (n,) in conn.execute(KNOWN_SCHEDULES, (names,))}
+                missing = next(f.name for f in fires if f.name not in known)
+                raise ScheduleNotFound(f"no schedule {missing!r}")
+            records = [
+                (f.name, n - 1 - i, r.kind, r.nominal, r.workflow_id, r.reason, r.count)
+                for f in fires
+                for n in (len(f.records),)
+                for i, r in enumerate(f.records)
+            ]
+            if records:
+                conn.execute(FIRE_RECORDS, (_encode(records).decode(), stamp))
+                # Trimmed every TRIM_EVERY records: the schedules whose counter just passed a
+                # multiple of it.
+                conn.execute(FIRE_TRIMS, (batch, schema.FIRES_KEPT, TRIM_EVERY))
             return created
 
-        created: builtins.list[bool] = await self._writes.submit(apply)
+        created: builtins.list[bool] = await self._writes.submit_first(apply)
         return created
 
     async def schedule_note(
@@ -736,19 +773,3 @@ def _history_rows(wid: str, now: float, history: History) -> builtins.list[tuple
 #: The encoder schema.to_json uses (the same default settings), called straight: one call less
 #: per history entry.
 _encode = msgspec.json.Encoder().encode
-
-
-def _in_chunks(conn: sqlite3.Connection, sql: str, keys: Sequence[str]) -> builtins.list[Any]:
-    """Run `sql` (its `IN ({})` filled with marks) over `keys`, under SQLite's parameter limit."""
-    rows: builtins.list[Any] = []
-    for i in range(0, len(keys), 500):
-        chunk = keys[i : i + 500]
-        rows += conn.execute(sql.format(", ".join("?" * len(chunk))), chunk).fetchall()
-    return rows
-
-
-@functools.cache
-def _advance_sql(columns: tuple[str, ...]) -> str:
-    """Return the UPDATE that advances a schedule's row: these columns, then `fire_seq`."""
-    sets = [f"{c} = MAX({c}, ?)" if c == "last_nominal" else f"{c} = ?" for c in columns]
-    return f"UPDATE schedules SET {', '.join([*sets, 'fire_seq = fire_seq + ?'])} WHERE name = ?"

@@ -235,6 +235,7 @@ class GroupWriter:
         self._bell = threading.Lock()
         self._bell.acquire()
         self._queue: deque[_Write] = deque()
+        self._first = 0  # writes at the head of the queue put there by `submit_first`
         self._idle = False  # the thread waits on the bell: only then does a write ring it
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -282,6 +283,24 @@ class GroupWriter:
     async def submit(self, apply: Apply) -> Any:
         """Queue one write and return its result once it is committed (or raise its error)."""
         return await self._outcome(self._put(apply, None, None, False))
+
+    async def submit_first(self, apply: Apply) -> Any:
+        """Queue one write ahead of the writes waiting (after the earlier `submit_first` ones).
+
+        For writes that must not wait behind a flood of others (a schedule's fires behind the
+        checkpoints of the runs they started); it still waits for the batch being committed.
+        Use it only for a write that no waiting write must precede.
+        """
+        if self._closing:
+            raise Unavailable("the store is closed")
+        w = _Write(loop=self._loop or asyncio.get_running_loop())
+        w.apply, w.many, w.item, w.alone, w.value, w.error = apply, None, None, False, None, None
+        with self._lock:
+            self._queue.insert(self._first, w)
+            self._first += 1
+            if self._idle:
+                self._ring()
+        return await self._outcome(w)
 
     async def submit_many(self, many: ApplyMany, item: Any) -> Any:
         """Queue one write applied with `many` together with its neighbours of the same kind.
@@ -386,6 +405,7 @@ class GroupWriter:
                 batch = []
                 while queue and not queue[0].alone:
                     batch.append(queue.popleft())
+            self._first = max(0, self._first - len(batch))
             self._current = batch
             self._lock.release()
             if batch[0].alone:
@@ -487,6 +507,7 @@ class GroupWriter:
             self._closing = True
             left = list(self._queue)
             self._queue.clear()
+            self._first = 0
         for w in [*self._current, *left]:
             if not w.done():
                 w.error = Unavailable("the store closed before this write was committed")

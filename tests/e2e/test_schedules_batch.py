@@ -212,3 +212,42 @@ class TestBatchStartedRuns:
             db, "SELECT workflow_id, COUNT(*) FROM history WHERE kind = 'started' GROUP BY 1"
         )
         assert {n for _, n in started} == {1}
+
+
+class TestRunsBehindTheFires:
+    async def test_fires_go_on_while_runs_wait_and_a_kill_strands_none(
+        self, tmp_path: Path
+    ) -> None:
+        """Runs that stay in their step (more than may run at once) hold no fire back: each
+        schedule fires each second meanwhile, every run fired counts as work in progress (in
+        its step or waiting its turn), and after a SIGKILL the restart runs each to its end."""
+        flag = tmp_path / "wake"
+        env = env_of(
+            *(
+                every_second(f"z{i:03d}", workflow="Dozes", input={"flag": str(flag)})
+                for i in range(MANY)
+            )
+        )
+        async with running_daemon(tmp_path, MODULES, env=env) as d:
+            db = d.tmp / "wd.db"
+            await wait_all_fired(db, time.time(), 3)
+            async with d.client() as c:
+                busy = (await c.call("ping"))["busy"]
+            assert busy >= 3 * MANY, f"{busy} runs in progress after {3 * MANY} fires"
+            await d.kill()
+            before = dict(query(db, "SELECT id, status FROM workflows"))
+            assert len(before) >= 3 * MANY and set(before.values()) == {"Resuming"}
+            flag.touch()
+            await d.start()
+
+            async def all_finished() -> bool:
+                now = dict(query(db, "SELECT id, status FROM workflows"))
+                return all(now[w] == "Finished" for w in before)
+
+            await eventually(all_finished, limit_s=60)
+            await d.stop()
+        started = query(
+            db, "SELECT workflow_id, COUNT(*) FROM history WHERE kind = 'started' GROUP BY 1"
+        )
+        assert {n for _, n in started} == {1}
+        assert_each_once(db)

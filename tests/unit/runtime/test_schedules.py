@@ -16,7 +16,7 @@ from daemon import Schedule
 from daemon.clock import FakeClock
 from daemon.core.schedule import workflow_id
 from daemon.errors import ScheduleNotFound
-from daemon.runtime.fires import SPACING_S, BatchStart
+from daemon.runtime.fires import SPACING_S, BatchStart, Entry
 from daemon.runtime.runtime import Runtime
 from daemon.runtime.schedules import Schedules
 from daemon.store.base import FireRecord, History, WorkflowRow
@@ -576,3 +576,23 @@ class TestPrepared:
             await b.to(T0 + 10)
             assert await fired_ids(b, "f", 1) == [workflow_id("f", T0 + 10)]
             assert calls[0] == 1 and await b.kinds("f") == ["fired"]
+
+
+def test_next_due_is_the_planned_due_time() -> None:
+    """`Entry.next_due`, the shortcut taken after each fire, gives what planning gives, on
+    time or with times missed, for intervals and cron, with jitter and spacing."""
+    schedules = [
+        Schedule("a", "Chime", every=10),
+        Schedule("b", "Chime", every=0.7, jitter_s=0.3),
+        Schedule("c", "Chime", cron="*/5 * * * * *", tz="UTC", catchup="all"),
+        Schedule("d", "Chime", cron="30 2 * * *", tz="Europe/Berlin", catchup="skip"),
+    ]
+    for s, last, ahead, fired in itertools.product(
+        schedules, (T0, T0 + 3.5, T0 + 86400 * 200), (0.0, 1.0, 30.0, 86400.0 * 3), (None, 0.1)
+    ):
+        now = last + ahead
+        for live_since in (last, now):
+            e = Entry(s, last, live_since=live_since)
+            if fired is not None:
+                e.fired_at = now - fired
+            assert e.next_due(now, SPACING_S) == e.due_at(e.plan(now), SPACING_S), (s, last, now)
