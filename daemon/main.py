@@ -176,9 +176,6 @@ async def run_daemon(
             ) as rt,
             anyio.create_task_group() as tg,
         ):
-            # Everything recovery loaded (re-armed waits, cached workflows) lives long: keep
-            # the cyclic GC from rescanning it on every full collection.
-            gc.freeze()
             d = cfg.daemon
             reloader = Reloader(
                 cfg,
@@ -241,6 +238,10 @@ async def run_daemon(
                     await timetable.run(task_status=task_status)
 
             await tg.start(run_schedules)
+            # Everything recovery and the schedules loaded (re-armed waits, cached workflows,
+            # 10,000 schedules' entries) lives long: keep the cyclic GC from rescanning it on
+            # every full collection.
+            gc.freeze()
             listener = await listener_from_systemd()
             serve_control = partial(
                 serve,
