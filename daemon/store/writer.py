@@ -291,16 +291,7 @@ class GroupWriter:
         checkpoints of the runs they started); it still waits for the batch being committed.
         Use it only for a write that no waiting write must precede.
         """
-        if self._closing:
-            raise Unavailable("the store is closed")
-        w = _Write(loop=self._loop or asyncio.get_running_loop())
-        w.apply, w.many, w.item, w.alone, w.value, w.error = apply, None, None, False, None, None
-        with self._lock:
-            self._queue.insert(self._first, w)
-            self._first += 1
-            if self._idle:
-                self._ring()
-        return await self._outcome(w)
+        return await self._outcome(self._put(apply, None, None, False, first=True))
 
     async def submit_many(self, many: ApplyMany, item: Any) -> Any:
         """Queue one write applied with `many` together with its neighbours of the same kind.
@@ -330,13 +321,25 @@ class GroupWriter:
         """Run `fn` on the writer's connection between batches, outside any transaction."""
         return await self._outcome(self._put(fn, None, None, True))
 
-    def _put(self, apply: Apply | None, many: ApplyMany | None, item: Any, alone: bool) -> _Write:
+    def _put(
+        self,
+        apply: Apply | None,
+        many: ApplyMany | None,
+        item: Any,
+        alone: bool,
+        *,
+        first: bool = False,
+    ) -> _Write:
         if self._closing:
             raise Unavailable("the store is closed")
         w = _Write(loop=self._loop or asyncio.get_running_loop())
         w.apply, w.many, w.item, w.alone, w.value, w.error = apply, many, item, alone, None, None
         with self._lock:
-            self._queue.append(w)
+            if first:  # behind the earlier `submit_first` writes, ahead of the rest
+                self._queue.insert(self._first, w)
+                self._first += 1
+            else:
+                self._queue.append(w)
             if self._idle:
                 self._ring()
         return w
