@@ -238,15 +238,7 @@ class Start:
         r, t = self.resumer, self.thread
         if r.error is not None:
             raise WorkflowdError("Start.follow: the engine has an error to raise first")
-        # What r.stepped(t) does, inline (this runs for every step of a chain).
-        t.status = _RESUMING
-        t.pc += 1
-        r.state.pc += 1
-        r._root = r._defn = None
-        if r.ready:
-            r.ready.clear()
-        if r.cases:
-            r.cases.clear()
+        r.stepped(t)
         try:
             r.budget -= 1
             if r.budget < 0:
