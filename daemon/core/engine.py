@@ -288,6 +288,7 @@ async def _run_step(step: Step) -> None:
 
 
 _BREAK, _CONTINUE, _RETURN = object(), object(), object()
+_new = object.__new__
 #: What running a statement may stop at: a Step to run, a Wait or WaitFor to block on,
 #: one of the sentinels above, or None (go on).
 _Stop = Step | Wait | WaitFor | object | None
@@ -356,8 +357,16 @@ class _Cursor:
 
     def _loop(self, stmt: For) -> _Stop:
         body = stmt.body.stmts
+        # A body that starts with a Step, WaitFor or Wait (most loops) stops there at once,
+        # as block(body) would: one call less for each step run in a loop.
+        first = KIND_CODE.get(type(body[0])) if body else None
         if not self.running:
-            if self.thread.cur_step == stmt.name:
+            cur = self.thread.cur_step
+            if cur == stmt.name:
+                self.running = True
+            elif first is LEAF and len(body) == 1 and body[0].name == cur:  # type: ignore[attr-defined]
+                # The search ends at the body's only statement, as block(body) would find it
+                # (a loop of one step: one call less for each of its steps).
                 self.running = True
             else:
                 stop = self.block(body)
@@ -368,9 +377,6 @@ class _Cursor:
                 if stop is not None and stop is not _CONTINUE:
                     return stop
         r, cond = self.resumer, stmt.cond
-        # A body that starts with a Step, WaitFor or Wait (most loops) stops there at once,
-        # as block(body) would: one call less for each step run in a loop.
-        first = KIND_CODE.get(type(body[0])) if body else None
         at_once = first is LEAF or first is WAIT
         while cond is True or (cond is not False and truth(cond)):
             r.budget -= 1
@@ -499,8 +505,10 @@ class _Resumer:
         else:
             raise StepNotFound(f"thread {t.id}: Go {t.name!r} is not in the definition")
         # A cursor per transition: one kept on the resumer would be a reference cycle
-        # (resumer <-> cursor) holding the whole resume for the cyclic GC.
-        cursor = _Cursor(self, t)
+        # (resumer <-> cursor) holding the whole resume for the cyclic GC. Made without a
+        # call to __init__ (this runs for every transition).
+        cursor = _new(_Cursor)
+        cursor.resumer, cursor.thread, cursor.running = self, t, t.cur_step == ""
         t.pc += 1
         s.pc += 1
         stop = cursor.block(body.stmts) if type(body) is Section else cursor.run(body)

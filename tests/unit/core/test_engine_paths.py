@@ -417,3 +417,82 @@ async def test_subclasses_of_break_and_return_act_like_them() -> None:
     await resume(wf, state, save)
     assert state.status is WorkflowStatus.FINISHED
     assert (wf.i, wf.log) == (3, ["after"])
+
+
+@dataclass
+class LoneBodies(Workflow):
+    """Loops whose body is one statement, nested, side by side and before other statements."""
+
+    i: int = 0
+    j: int = 0
+    k: int = 0
+    log: list[str] = field(default_factory=list)
+
+    def inner(self) -> None:
+        self.j += 1
+        self.log.append(f"inner{self.i}.{self.j}")
+
+    def reset(self) -> None:
+        self.i, self.j = self.i + 1, 0
+        self.log.append(f"reset{self.i}")
+
+    def waited(self) -> None:
+        self.k += 1
+        self.log.append(f"waited{self.k}")
+
+    def definition(self) -> Section:
+        return S(
+            For(
+                "outer",
+                self.i < 2,
+                For("inner", self.j < 2, Step("inner_step", self.inner)),
+                Step("reset", self.reset),
+            ),
+            For("conds", self.k < 2, WaitFor("cond", True, self.waited)),
+            For("never", False, Step("skipped", lambda: self.log.append("skipped"))),
+            For("spin", self.k < 3, Step("spun", self.waited)),
+            For("pair", self.k < 4, Step("first", self.waited), Step("second", self.waited)),
+            Step("after", lambda: self.log.append("after")),
+        )
+
+
+@pytest.mark.parametrize("steps", [None, "general"])
+async def test_a_loop_of_one_statement_is_searched_as_any_other(steps: str | None) -> None:
+    """A thread stopped at a loop body's only statement goes on as its definition says."""
+    wf = LoneBodies()
+    kinds, _, data, error = await _run(wf, General() if steps else None)
+    assert error == ""
+    assert LoneBodies.from_json(data).log == [
+        "inner0.1", "inner0.2", "reset1",
+        "inner1.1", "inner1.2", "reset2",
+        "waited1", "waited2",
+        "waited3",
+        "waited4", "waited5",
+        "after",
+    ]  # fmt: skip
+    assert kinds.count(str(CheckpointType.AFTER_CONDITION)) == 2
+
+
+@dataclass
+class OneStepForever(Workflow):
+    """A loop of one step that never ends: a runaway once the transitions run out."""
+
+    n: int = 0
+
+    def bump(self) -> None:
+        self.n += 1
+
+    def definition(self) -> Section:
+        return S(For("loop", True, Step("bump", self.bump)))
+
+
+async def test_a_loop_of_one_step_still_counts_its_transitions() -> None:
+    """Each pass of a one-step loop counts, so an endless one is caught as a runaway."""
+
+    async def save(kind: CheckpointType) -> None:
+        return None
+
+    wf = OneStepForever()
+    with pytest.raises(RunawayWorkflow):
+        await resume(wf, State.new("w", "OneStepForever"), save)
+    assert 0 < wf.n < 10_000
