@@ -227,7 +227,7 @@ class Chain:
     pending: Awaitable[Any] | None = None
     #: How long it may go on to next steps after its first began (CHAIN_S by default).
     budget_s: float = CHAIN_S
-    #: When (time.perf_counter()) it stops going on to next steps.
+    #: When (time.monotonic()) it stops going on to next steps.
     until: float = 0.0
     #: The running step's undo (from Start.follow) while it is not yet `fork`'s.
     undo: bytes | None = None
@@ -310,15 +310,20 @@ def _chain(chain: Chain, call: _Call, run: StepRun) -> None:
     """Run the chain's steps, in the worker thread; a step's exception ends it (and is raised)."""
     start, done = chain.start, chain.done
     action = chain.fork.step.action
-    perf = time.perf_counter
-    chain.until = perf() + chain.budget_s
+    # One clock for the durations, the budget and `show`: two reads per step, not four. The
+    # Unix times are the monotonic ones shifted by what they were at the chain's start: a
+    # chain goes on to a next step only within its budget (a millisecond), so they drift by
+    # no more than the clocks do in that time.
+    mono = time.monotonic
+    began = mono()
+    chain.until = began + chain.budget_s
+    base = time.time() - began
     while True:
-        began = perf()
         result = action()
         if result is not None and inspect.isawaitable(result):
             chain.pending = result
             return
-        ended = perf()
+        ended = mono()
         done.append((run.step, ended - began))
         if chain.room <= 0 or ended >= chain.until or chain.stopped:
             return
@@ -337,24 +342,26 @@ def _chain(chain: Chain, call: _Call, run: StepRun) -> None:
         step = start.step
         action = step.action
         # The chain's one StepRun tells `show` of each step in turn.
-        run.step, run.began, run.since = step.name, time.monotonic(), time.time()
-        run.running_since = run.since
+        began = mono()
+        run.step, run.began = step.name, began
+        run.since = run.running_since = base + began
 
 
 async def _chain_here(chain: Chain, run: StepRun) -> None:
     """Run the chain's async and inline steps on the loop, as run_step runs one."""
     start, done = chain.start, chain.done
     action: Callable[[], Any] = chain.fork.step.action
-    perf = time.perf_counter
-    chain.until = perf() + chain.budget_s
-    run.running_since = time.time()
+    mono = time.monotonic  # one clock for all, as in _chain
+    began = mono()
+    chain.until = began + chain.budget_s
+    base = time.time() - began
+    run.running_since = base + began
     while True:
-        began = perf()
         result = action()
         # A coroutine told by its type first: inspect.isawaitable is a Python call.
         if result is not None and (type(result) is _COROUTINE or inspect.isawaitable(result)):
             await result
-        ended = perf()
+        ended = mono()
         done.append((run.step, ended - began))
         if chain.room <= 0 or ended >= chain.until or chain.stopped:
             return
@@ -367,8 +374,9 @@ async def _chain_here(chain: Chain, run: StepRun) -> None:
         chain.room -= 1
         step = start.step
         action = step.action
-        run.step, run.began, run.since = step.name, time.monotonic(), time.time()
-        run.running_since = run.since
+        began = mono()
+        run.step, run.began = step.name, began
+        run.since = run.running_since = base + began
 
 
 def _chain_done(
