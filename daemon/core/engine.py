@@ -364,7 +364,7 @@ class _Cursor:
             cur = self.thread.cur_step
             if cur == stmt.name:
                 self.running = True
-            elif first is LEAF and len(body) == 1 and body[0].name == cur:  # type: ignore[attr-defined]
+            elif first is LEAF and body[0].name == cur and len(body) == 1:  # type: ignore[attr-defined]
                 # The search ends at the body's only statement, as block(body) would find it
                 # (a loop of one step: one call less for each of its steps).
                 self.running = True
