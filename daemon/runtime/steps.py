@@ -310,14 +310,11 @@ def _chain(chain: Chain, call: _Call, run: StepRun) -> None:
     """Run the chain's steps, in the worker thread; a step's exception ends it (and is raised)."""
     start, done = chain.start, chain.done
     action = chain.fork.step.action
-    # One clock for the durations, the budget and `show`: two reads per step, not four. The
-    # Unix times are the monotonic ones shifted by what they were at the chain's start: a
-    # chain goes on to a next step only within its budget (a millisecond), so they drift by
-    # no more than the clocks do in that time.
+    # One clock for the durations, the budget and `show`'s `for_s`: three clock reads per
+    # step, not four (`show`'s Unix times are read as they are, not derived from it).
     mono = time.monotonic
     began = mono()
     chain.until = began + chain.budget_s
-    base = time.time() - began
     while True:
         result = action()
         if result is not None and inspect.isawaitable(result):
@@ -344,18 +341,17 @@ def _chain(chain: Chain, call: _Call, run: StepRun) -> None:
         # The chain's one StepRun tells `show` of each step in turn.
         began = mono()
         run.step, run.began = step.name, began
-        run.since = run.running_since = base + began
+        run.since = run.running_since = time.time()
 
 
 async def _chain_here(chain: Chain, run: StepRun) -> None:
     """Run the chain's async and inline steps on the loop, as run_step runs one."""
     start, done = chain.start, chain.done
     action: Callable[[], Any] = chain.fork.step.action
-    mono = time.monotonic  # one clock for all, as in _chain
+    mono = time.monotonic  # one clock for all but `show`'s Unix times, as in _chain
     began = mono()
     chain.until = began + chain.budget_s
-    base = time.time() - began
-    run.running_since = base + began
+    run.running_since = time.time()
     while True:
         result = action()
         # A coroutine told by its type first: inspect.isawaitable is a Python call.
@@ -376,7 +372,7 @@ async def _chain_here(chain: Chain, run: StepRun) -> None:
         action = step.action
         began = mono()
         run.step, run.began = step.name, began
-        run.since = run.running_since = base + began
+        run.since = run.running_since = time.time()
 
 
 def _chain_done(

@@ -382,6 +382,25 @@ class TestChain:
         assert run.notes.count("step_done") == 5
         assert run.observed == [(f"s{i}", "done") for i in range(5)]
 
+    async def test_show_tells_the_chained_async_step_running_now(self) -> None:
+        """On the loop too: `running` names the chained async step that waits now, and since
+        when (a Unix time between the step before it and its own start)."""
+        _ENTERED.clear()
+        _ASYNC_GATE[:] = [gate := anyio.Event()]
+        run = Chained(AsyncNamed(), FakeClock(), room=31)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run.resume, Settings())
+            with anyio.fail_after(10):
+                await until(lambda: "s3" in _ENTERED)
+                assert run.pool is not None
+                (shown,) = [r.shown() for r in run.pool.running.values()]
+                gate.set()
+        assert shown["step"] == "s3"
+        assert _ENTERED["s2"] <= shown["running_since"] <= _ENTERED["s3"]
+        assert isinstance(run.wf, AsyncNamed) and run.wf.ran == ["s0", "s1", "s2", "s3", "s4"]
+        assert run.notes.count("step_done") == 5
+        assert run.observed == [(f"s{i}", "done") for i in range(5)]
+
     async def test_a_stop_ends_the_chain_after_the_running_step(self) -> None:
         """A stop (shutdown) lets the running step finish and starts no next one."""
         _GATE.__init__()  # type: ignore[misc] # a fresh gate for this test
@@ -471,6 +490,23 @@ class Named(Workflow):
         return S(*(Step(f"s{i}", partial(self.step, f"s{i}")) for i in range(5)))
 
 
+@dataclass
+class AsyncNamed(Workflow):
+    """Runs async steps s0 to s4, one after the other; s3 waits for `_ASYNC_GATE`."""
+
+    ran: list[str] = field(default_factory=list)
+
+    async def step(self, name: str) -> None:
+        _ENTERED[name] = time.time()
+        if name == "s3":
+            await _ASYNC_GATE[0].wait()
+        self.ran.append(name)
+
+    def definition(self) -> Section:
+        return S(*(Step(f"s{i}", partial(self.step, f"s{i}")) for i in range(5)))
+
+
+_ASYNC_GATE: list[anyio.Event] = []
 _WHERE: dict[str, int] = {}
 
 
