@@ -156,8 +156,17 @@ MISSING = "workflowd: no such workflow"
 INSERT_CHECKPOINT = "INSERT INTO temp.wd_checkpoint VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 
 
+#: The trigger trims a workflow's history each time its counter reaches a multiple of this,
+#: not on every row: a trim dirties the pages of the oldest rows (two more pages for the
+#: commit to write), so that cost is shared by this many checkpoints. Reads show `keep` rows.
+HISTORY_TRIM_EVERY = 16
+
+
 def checkpoint_view(keep: int) -> str:
-    """Return the script that makes INSERT_CHECKPOINT's view, keeping `keep` history rows."""
+    """Return the script that makes INSERT_CHECKPOINT's view, keeping `keep` history rows.
+
+    Between trims, up to HISTORY_TRIM_EVERY - 1 rows past `keep` are left to the next one.
+    """
     return f"""
     CREATE TEMP VIEW wd_checkpoint (
         id, status, data, state, error, attempt, next_run_at, updated_at, n, kind, detail
@@ -172,7 +181,8 @@ def checkpoint_view(keep: int) -> str:
             SELECT NEW.id, history_seq, NEW.updated_at, NEW.kind, NEW.detail
             FROM workflows WHERE NEW.n AND id = NEW.id;
         DELETE FROM history WHERE NEW.n AND workflow_id = NEW.id
-            AND seq <= (SELECT history_seq FROM workflows WHERE id = NEW.id) - {int(keep)};
+            AND seq <= (SELECT history_seq - {int(keep)} FROM workflows WHERE id = NEW.id
+                AND history_seq % {HISTORY_TRIM_EVERY} < NEW.n);
     END;
     """
 

@@ -30,6 +30,7 @@ from daemon.store import schema
 from daemon.store.base import (
     FireRecord,
     History,
+    HistoryRow,
     ScheduleFire,
     ScheduleRow,
     SleepingState,
@@ -467,6 +468,14 @@ class SQLiteStore(Reads):
     async def add_history(self, workflow_id: str, kind: str, detail: dict[str, Any]) -> None:
         """Append one history entry to the workflow."""
         await self._update(workflow_id, schema.ADD_HISTORY, (), [(kind, detail)])
+
+    async def history(self, workflow_id: str, *, limit: int = 1000) -> builtins.list[HistoryRow]:
+        """Return the workflow's newest `limit` history entries (`history_keep` at most), oldest first.
+
+        The checkpoint's trigger trims every HISTORY_TRIM_EVERY rows, not on each one: the
+        rows past `history_keep` that wait for that trim are never shown.
+        """
+        return await super().history(workflow_id, limit=min(limit, self._keep))
 
     async def inbox_put(
         self, workflow_id: str, event: str, input: Any, *, thread_id: str = "", pc: int = 0

@@ -176,6 +176,34 @@ class TestOps:
         assert again == cancelled
         assert err["code"] == "not_found"
 
+    async def test_history_shows_history_keep_entries_across_trims_and_restarts(
+        self, tmp_path: Path
+    ) -> None:
+        """Callbacks past history_keep: history shows the newest history_keep, before and
+        after a restart (the store trims every 16 rows, not on each)."""
+        sends = 40  # past two trims, and between trims at the end (40 rows, trims at 16, 32)
+        async with running_daemon(tmp_path, MODULES, store={"history_keep": 3}) as d:
+            async with d.client() as c:
+                await start_tally(c, "t")
+                for n in range(1, sends + 1):  # each answered once durable: the running total
+                    total = await c.call("send", workflow_id="t", event="add", input=n)
+                    assert total == n * (n + 1) // 2
+                    if n == sends - 3:
+                        older = await c.call("history", workflow_id="t")
+                before = await c.call("history", workflow_id="t")
+                assert len(await c.call("history", workflow_id="t", limit=2)) == 2
+            assert await d.stop() == 0
+            await d.start()
+            async with d.client() as c:
+                after = await c.call("history", workflow_id="t")
+                shown = await c.call("show", workflow_id="t")
+        assert len(before) == 3 and after == before
+        assert [h["kind"] for h in before] == ["callback_received"] * 3
+        # the three callbacks sent last, none of those that were newest three sends before
+        assert len(older) == 3 and not [h for h in before if h in older]
+        assert [h["at"] for h in before] == sorted(h["at"] for h in before)
+        assert shown["data"]["total"] == sends * (sends + 1) // 2
+
     async def test_logs_without_follow_end(self, tmp_path: Path) -> None:
         """Without follow, the kept records of one workflow come back, then an end marker."""
         async with running_daemon(tmp_path, MODULES) as d, d.client() as c:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from daemon.errors import WorkflowNotFound
+from daemon.store import schema
 from daemon.store.base import WorkflowRow
 from daemon.store.sqlite import SQLiteStore
 
@@ -106,22 +107,46 @@ class TestFlat:
             # five rows written (1, 2, 2, 3, 5), the oldest trimmed past history_keep
             assert await seqs(store, "a") == [(2, 0), (2, 1), (3, 0), (5, 0)]
 
-    async def test_history_is_trimmed_to_keep_one_checkpoint_at_a_time(
-        self, tmp_path: Path
-    ) -> None:
-        """The trigger's trim keeps the newest history_keep rows, numbered on."""
-        async with SQLiteStore.open(tmp_path / "wf.db", history_keep=3) as store:
+    async def test_history_is_trimmed_past_keep_every_trim_every_rows(self, tmp_path: Path) -> None:
+        """The trigger trims when the counter reaches a multiple of HISTORY_TRIM_EVERY.
+
+        Reads show the newest history_keep rows after every checkpoint; the file holds at
+        most HISTORY_TRIM_EVERY - 1 rows more, and exactly history_keep right after a trim.
+        """
+        every = schema.HISTORY_TRIM_EVERY
+        db = tmp_path / "wf.db"
+        async with SQLiteStore.open(db, history_keep=3) as store:
             await store.create(WorkflowRow("a", "Demo", "Resuming", "{}", "{}"))
-            for n in range(6):
+            conn = sqlite3.connect(db)
+            try:
+                for n in range(1, 2 * every + 5):
+                    await save(store, "a", n)
+                    assert await seqs(store, "a") == [(m, 0) for m in range(max(1, n - 2), n + 1)]
+                    stored = [s for (s,) in conn.execute("SELECT seq FROM history ORDER BY seq")]
+                    # the counter is n; rows up to the last multiple of `every`, less 3, are gone
+                    first = max(1, (n // every) * every - 2)
+                    assert stored == list(range(first, n + 1))
+                    assert len(stored) <= 3 + every - 1
+            finally:
+                conn.close()
+            assert len(await store.history("a", limit=2)) == 2
+            assert len(await store.history("a", limit=10_000)) == 3
+
+    async def test_a_general_checkpoint_trims_what_the_flat_path_left(self, tmp_path: Path) -> None:
+        """A checkpoint of several history rows trims to history_keep exactly, as before."""
+        db = tmp_path / "wf.db"
+        async with SQLiteStore.open(db, history_keep=3) as store:
+            await store.create(WorkflowRow("a", "Demo", "Resuming", "{}", "{}"))
+            for n in range(1, 8):
                 await save(store, "a", n)
-            assert await seqs(store, "a") == [(3, 0), (4, 0), (5, 0)]
-        conn = sqlite3.connect(tmp_path / "wf.db")
-        try:
-            assert conn.execute("SELECT seq FROM history ORDER BY seq").fetchall() == [
-                (4,), (5,), (6,),
-            ]  # fmt: skip
-        finally:
-            conn.close()
+            await save(store, "a", 8, history=2)  # the general path
+            conn = sqlite3.connect(db)
+            try:
+                stored = [s for (s,) in conn.execute("SELECT seq FROM history ORDER BY seq")]
+            finally:
+                conn.close()
+            assert stored == [7, 8, 9]
+            assert await seqs(store, "a") == [(7, 0), (8, 0), (8, 1)]
 
     async def test_an_end_on_the_flat_path_queues_its_hook_row(self, tmp_path: Path) -> None:
         """The status trigger fires from inside the checkpoint's trigger: the ending is queued."""
