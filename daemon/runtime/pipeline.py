@@ -56,28 +56,46 @@ class _Holds:
 
     A timer per held write would put thousands in the loop's heap during a burst of fired
     timers (each push and pop a dozen Python-level comparisons); every hold is as long, so
-    they end in the order they began, and one timer for the oldest serves them all.
+    they end in the order they began, and one timer for the oldest serves them all. A hold
+    that ends early (its write was wanted sooner: the common case, a quick step's workflow
+    saving its end) is withdrawn; once none is left the timer is cancelled, so a burst of
+    fired timers does not wake the loop and run three callbacks per fire for nothing.
     """
 
-    __slots__ = ("_held", "_timer")
+    __slots__ = ("_held", "_live", "_timer")
 
     def __init__(self) -> None:
         self._held: deque[tuple[float, Pipeline]] = deque()
+        #: Holds added and neither over nor withdrawn; the entries of the others are stale.
+        self._live = 0
         self._timer: asyncio.TimerHandle | None = None
 
     def add(self, loop: asyncio.AbstractEventLoop, pipeline: Pipeline, seconds: float) -> None:
         """Issue `pipeline`'s held write `seconds` from now (if it is still held then)."""
         when = loop.time() + seconds
         self._held.append((when, pipeline))
+        self._live += 1
         if self._timer is None:
             self._timer = loop.call_at(when, self._due, loop)
+
+    def withdraw(self) -> None:
+        """Note that one hold is no longer held (its write was issued or taken)."""
+        self._live -= 1
+        if not self._live:
+            # Every entry left is stale: nothing for the timer to issue.
+            self._held.clear()
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
 
     def _due(self, loop: asyncio.AbstractEventLoop) -> None:
         self._timer = None
         held, now = self._held, loop.time()
         over: list[Pipeline] = []
         while held and held[0][0] <= now:
-            over.append(held.popleft()[1])
+            pipeline = held.popleft()[1]
+            if pipeline._held:  # else withdrawn since: its write is in flight or durable
+                over.append(pipeline)
         if over:
             # Issued after the loop looked for I/O once more: a busy loop runs this timer late,
             # and the results of steps that ended meanwhile come in with that look. Their
@@ -122,6 +140,8 @@ class Pipeline:
         self._queued: Save | None = None
         #: What is queued is held back (see `queue`): issued when its hold is over.
         self._held = False
+        #: The loop's holds this pipeline's hold is in (while `_held`).
+        self._holds: _Holds | None = None
         # A bare task, not one of a task group's: it lives no longer than one write queue
         # drained, and every path out of the actor waits for it (`settle`). Written to from
         # outside the actor's cancel scopes, a commit under way is never cut off by a cancel.
@@ -200,6 +220,7 @@ class Pipeline:
                     if holds is None:
                         holds = _HOLDS[loop] = _Holds()
                     holds.add(loop, self, self._hold_s)
+                    self._holds = holds
                 return False
             self._issue()
             return False
@@ -209,9 +230,17 @@ class Pipeline:
         if self._held:
             self._issue()
 
+    def _unhold(self) -> None:
+        """End the hold of what is queued, if it is held (its write is issued or taken now)."""
+        if self._held:
+            self._held = False
+            holds, self._holds = self._holds, None
+            if holds is not None:
+                holds.withdraw()
+
     def _issue(self) -> None:
         """Start writing what is queued (a held write's time is over, or it is wanted now)."""
-        self._held = False
+        self._unhold()
         if self._task is None and self._queued is not None and not self._inline:
             self._task = asyncio.get_running_loop().create_task(self._drain())
 
@@ -250,7 +279,8 @@ class Pipeline:
                 await self.room_taken()
             await self.flush()
             return
-        queued, self._queued, self._held = self._queued, None, False
+        self._unhold()
+        queued, self._queued = self._queued, None
         if queued is not None:
             queued.merge(save)
             save = queued

@@ -66,6 +66,13 @@ class Batcher:
         if loop is None or self._closed:
             self.flush()
         elif loop is not self._kick_loop:  # none due, or due on a loop that has stopped
+            with self._flag:
+                busy = not self._idle
+            if busy:
+                # Awake (lingering or writing): it looks at the queue under `_flag` before it
+                # sleeps, so it takes this record; a kick would find it awake and do nothing,
+                # at the cost of a loop callback (and often a loop turn) per record.
+                return
             self._kick_loop, self._kick_thread = loop, _thread_id()
             loop.call_soon(self._kick)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import time
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 
 from tests.helpers.harness import Daemon, running_daemon
 from tests.helpers.http import writes_committed
-from tests.helpers.wait import logged, settled, wait_status
+from tests.helpers.wait import logged, settled, until, wait_status
 
 MODULES = ["tests.workflows.timers"]
 
@@ -174,3 +175,55 @@ async def test_a_burst_due_at_one_instant_leaves_the_socket_answered(short_tmp: 
     longest = max(s for at, s in pings if at >= due)
     # Measured: the longest ping took ~1/3 of the burst (before: longer than the whole burst).
     assert longest < burst_s / 2, (longest, burst_s, len(pings))
+
+
+def _lines(path: Path) -> int:
+    """Count the lines of a file."""
+    return len(path.read_text().splitlines())
+
+
+async def test_a_slow_steps_checkpoint_is_written_while_quick_fires_take_theirs(
+    short_tmp: Path,
+) -> None:
+    """A fired timer's slow step is durable as started while the quick fires around it end.
+
+    The checkpoint a step's start takes is held back a moment (a quick step's end merges into
+    it); most holds end early that way, and a hold that ended early is withdrawn. The slow
+    step's hold must still end on time: its workflow's row says the step runs while it does.
+    After a SIGKILL the step runs again (it was not done), and every quick fire counted once.
+    """
+    n, gate = 200, short_tmp / "gate"
+    db = short_tmp / "wd.db"
+    async with running_daemon(short_tmp, MODULES) as d, d.client() as c:
+        due = time.time() + 2.0
+        for i in range(n):
+            input = {"at": due + i / n}  # a second of quick fires, one every 5 ms
+            await c.call("start", workflow="Dozer", workflow_id=f"d{i:03d}", input=input)
+        slow = {"at": due + 0.5, "gate": str(gate)}
+        await c.call("start", workflow="SlowWaker", workflow_id="slow", input=slow)
+        assert time.time() < due, "the starts took longer than the lead: raise it"
+        runs = Path(f"{gate}.runs")
+        await until(runs.exists, limit_s=30)
+
+        def step_durable() -> bool:
+            conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
+            try:
+                (state,) = conn.execute("SELECT state FROM workflows WHERE id = 'slow'").fetchone()
+            finally:
+                conn.close()
+            threads = json.loads(state)["threads"]
+            return any(t["status"] == "Executing" and t["cur_step"] == "gate" for t in threads)
+
+        await until(step_durable, limit_s=30)  # the gate is shut: the step is still running
+        assert _lines(runs) == 1
+        await wait_status(c, f"d{n - 1:03d}", "Finished", limit_s=30)
+        await d.kill()
+        gate.touch()
+        await d.start()
+        async with d.client() as c2:
+            shown = await wait_status(c2, "slow", "Finished", limit_s=30)
+            assert shown["data"]["opened"] is True
+            for i in range(n):
+                data = (await wait_status(c2, f"d{i:03d}", "Finished", limit_s=30))["data"]
+                assert data["rang"] == 1, (i, data)
+    assert _lines(runs) == 2

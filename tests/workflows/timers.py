@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -94,3 +95,28 @@ class Litterbug(Metronome):
         LITTER.append(cycle)
         if len(LITTER) > LITTER_KEPT:
             LITTER.popleft()
+
+
+@dataclass
+class SlowWaker(Workflow):
+    """Sleeps until `at`, then runs one step that blocks until the file `gate` exists.
+
+    Each run of the step appends a line to `gate`.runs first, so a test sees it started (and
+    how often it ran across a kill). The block is bounded by `hold_s`.
+    """
+
+    at: float = 0.0
+    gate: str = ""
+    hold_s: float = 30.0
+    opened: bool = False
+
+    def pass_gate(self) -> None:
+        with open(f"{self.gate}.runs", "a") as runs:
+            runs.write("ran\n")
+        deadline = time.monotonic() + self.hold_s
+        while not os.path.exists(self.gate) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        self.opened = os.path.exists(self.gate)
+
+    def definition(self) -> Section:
+        return S(Wait("nap", On("alarm", Timer(at=self.at))), Step("gate", self.pass_gate))

@@ -16,7 +16,7 @@ import pytest
 
 from daemon import For, S, Section, Step, Workflow
 from daemon.clock import FakeClock
-from daemon.runtime.pipeline import Pipeline, Save
+from daemon.runtime.pipeline import _HOLDS, Pipeline, Save
 from daemon.runtime.runtime import Runtime
 from daemon.runtime.settings import Settings
 from daemon.runtime.work import Item
@@ -156,6 +156,44 @@ class TestPipeline:
         p.queue(save(2), hold=True)
         await p.settle()
         assert [w for w, _, _ in writes.written] == ["1", "2"]
+
+    async def test_a_hold_ended_early_leaves_no_timer_behind(self) -> None:
+        """Once no hold is left, the holds' timer is cancelled: the loop is not woken for it."""
+        writes = Writes()
+        p = Pipeline(writes, hold_s=3600)
+        p.queue(save(1), hold=True)
+        holds = _HOLDS[asyncio.get_running_loop()]
+        assert holds._timer is not None
+        await p.commit(save(2))  # takes the held checkpoint into its own write
+        assert holds._timer is None and not holds._held
+        p.queue(save(3), hold=True)  # held again: a timer again
+        assert holds._timer is not None
+        await p.flush()
+        assert holds._timer is None
+        assert [w for w, _, _ in writes.written] == ["2", "3"]
+
+    async def test_a_hold_still_held_is_issued_when_another_ended_early(self) -> None:
+        """Withdrawing one pipeline's hold leaves the others' holds to end on time."""
+        first, second = Writes(), Writes()
+        a, b = Pipeline(first, hold_s=0.001), Pipeline(second, hold_s=0.001)
+        a.queue(save(1), hold=True)
+        b.queue(save(2), hold=True)
+        await a.commit(save(3))  # a's hold ends early; b's is still due
+        await until(lambda: second.written == [("2", 1, [2])])
+        assert first.written == [("3", 2, [1, 3])] and a.idle and b.idle
+        assert _HOLDS[asyncio.get_running_loop()]._timer is None
+
+    async def test_a_hold_held_again_ends_as_the_first_one_would(self) -> None:
+        """A pipeline held, issued and held again while another holds is written both times."""
+        writes, other = Writes(), Writes()
+        a, b = Pipeline(writes, hold_s=0.005), Pipeline(other, hold_s=0.005)
+        b.queue(save(9), hold=True)  # a hold live while a's is withdrawn and taken again
+        a.queue(save(1), hold=True)
+        await a.flush()
+        a.queue(save(2), hold=True)
+        await until(lambda: [w for w, _, _ in writes.written] == ["1", "2"])
+        await until(lambda: other.written == [("9", 1, [9])])
+        assert a.idle and b.idle and _HOLDS[asyncio.get_running_loop()]._timer is None
 
     async def test_failure_drops_what_follows(self) -> None:
         """A failed write loses those queued after it; put and flush raise; events come back."""

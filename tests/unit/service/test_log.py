@@ -356,6 +356,45 @@ class TestBatching:
         assert [r["turn"] for r in lines(out)] == list(range(6))
         assert lingered == [logwriter.LINGER_S]
 
+    async def test_records_for_an_awake_writer_schedule_no_kick(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """While the writer is awake (lingering), a turn's records cost no loop callback."""
+        gate = threading.Event()
+        monkeypatch.setattr(logwriter, "_sleep", lambda seconds: gate.wait(10))
+        out = _CountingStream()
+        configure_logging("info", "json", out, cache=False)
+        batcher = log_module._batcher[0]
+        await until(lambda: batcher._idle, limit_s=5)
+        loop = asyncio.get_running_loop()
+        real, kicks = loop.call_soon, []
+
+        def counted(callback: Any, *args: Any, **kw: Any) -> asyncio.Handle:
+            if getattr(callback, "__self__", None) is batcher:
+                kicks.append(callback)
+            return real(callback, *args, **kw)
+
+        log = structlog.get_logger()
+        try:
+            loop.call_soon = counted  # type: ignore[method-assign,assignment]
+            log.info("e", turn=0)  # asleep: this one kicks it
+            await until(lambda: batcher.wakes == 1, limit_s=5)
+            assert len(kicks) == 1
+            for turn in range(1, 6):
+                log.info("e", turn=turn)
+                await asyncio.sleep(0)
+            assert len(kicks) == 1 and out.writes == 0
+        finally:
+            del loop.call_soon
+            gate.set()
+        await until(lambda: len(lines(out)) == 6, limit_s=5)
+        assert [r["turn"] for r in lines(out)] == list(range(6))
+        assert batcher.wakes == 1
+        await until(lambda: batcher._idle, limit_s=5)  # asleep again: the next record kicks
+        log.info("e", turn=6)
+        await until(lambda: len(lines(out)) == 7, limit_s=5)
+        assert batcher.wakes == 2
+
     async def test_an_error_does_not_wait_for_the_linger(
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
