@@ -39,7 +39,15 @@ from daemon.runtime.recovery import Recovery
 from daemon.runtime.scheduler import Hold, Scheduler
 from daemon.runtime.settings import Settings
 from daemon.runtime.work import Item, Reply
-from daemon.store.base import History, Position, Shared, Sleepers, Store, WorkflowRow
+from daemon.store.base import (
+    EarlyFires,
+    History,
+    Position,
+    Shared,
+    Sleepers,
+    Store,
+    WorkflowRow,
+)
 
 #: Workflows summarized between two checkpoints of `page` (~2 ms of the event loop).
 SUMMARY_SLICE = 100
@@ -144,6 +152,7 @@ class Runtime:
             arms=self.arms,
             deadline=self.deadlines.add,
             sleepers=store if isinstance(store, Sleepers) else None,
+            deferred=store if isinstance(store, EarlyFires) else None,
         )
         self.cache.vet = self.recovery.vet
         self.endings = Endings(
@@ -163,6 +172,8 @@ class Runtime:
         self.on_exit: Callable[[str, str | None], None] | None = None
         #: Workflows `launch_many` wrote, waiting for their turn to run, oldest first.
         self._admitting: deque[str] = deque()
+        #: Workflows `launch_many` wrote ahead of their time, until `release` or `withdraw`.
+        self._early: dict[str, Prepared] = {}
         #: Of those, the ones let run whose actor has not exited yet (at most ADMIT_MAX).
         self._admitted: set[str] = set()
         #: `launch_many` writes in flight (work in progress too), and an event set when none is.
@@ -462,19 +473,26 @@ class Runtime:
         return out
 
     async def launch_many(
-        self, prepared: Sequence[Prepared], *, create: CreateMany
+        self,
+        prepared: Sequence[Prepared],
+        *,
+        create: CreateMany,
+        not_before: float | None = None,
     ) -> builtins.list[dict[str, Any] | Exception]:
         """Write workflows built by `prepare_many` with one `create`, then run them.
 
         Their rows are stamped with the time of this write (and their deadlines counted from
         it). The caller logs each start (a schedule's `schedule_fired` names the workflow), so
         no `workflow_started` line is added. One answer or error each; if `create` raises, so
-        does this.
+        does this. With `not_before` (a batch written ahead of its time) they are stamped with
+        that time and kept until `release` (or `withdraw`) instead of run.
         """
         self._check_open()
         if not prepared:
             return []
         now, clock_now = time.time(), self.clock.now()
+        if not_before is not None:
+            now, clock_now = max(now, not_before), max(clock_now, not_before)
         for p in prepared:
             row = p.row
             row.created_at = row.updated_at = now
@@ -490,8 +508,13 @@ class Runtime:
             if not self._launching:
                 self._launched.set()
         out: builtins.list[dict[str, Any] | Exception] = []
+        held = self._early if not_before is not None else None
         for p, inserted in zip(prepared, created, strict=True):
             try:
+                if inserted and held is not None:
+                    held[p.row.id] = p
+                    out.append({"workflow_id": p.row.id, "status": p.row.status, "created": True})
+                    continue
                 out.append(
                     self._admitted_later(p)
                     if inserted
@@ -501,6 +524,20 @@ class Runtime:
                 out.append(e)
         self._admit()
         return out
+
+    def release(self, workflow_ids: Sequence[str]) -> None:
+        """Let workflows `launch_many` wrote ahead of their time run (at that time), in turns."""
+        early = self._early
+        for wid in workflow_ids:
+            p = early.pop(wid, None)
+            if p is not None:
+                self._admitted_later(p)
+        self._admit()
+
+    def withdraw(self, workflow_ids: Sequence[str]) -> None:
+        """Forget workflows written ahead of their time whose write was taken back."""
+        for wid in workflow_ids:
+            self._early.pop(wid, None)
 
     def _admitted_later(self, p: Prepared) -> dict[str, Any]:
         """Run a workflow `launch_many` just wrote when its turn comes (`_admit`)."""
@@ -887,7 +924,7 @@ class Runtime:
 
         Started workflows being written or waiting for their turn to run count too.
         """
-        return self.scheduler.busy() + len(self._admitting) + self._launching
+        return self.scheduler.busy() + len(self._admitting) + len(self._early) + self._launching
 
     def subscribe_logs(
         self, workflow_id: str | None = None, *, follow: bool = True

@@ -61,10 +61,19 @@ class Bench:
 
 @asynccontextmanager
 async def bench(
-    db: Path, *schedules: Schedule, start: Any = None, grace_s: float = 2.0
+    db: Path,
+    *schedules: Schedule,
+    start: Any = None,
+    grace_s: float = 2.0,
+    early: bool = False,
+    t0: float = T0,
 ) -> AsyncIterator[Bench]:
-    """Run a runtime and the schedules loop on a fake clock at T0."""
-    clock = FakeClock(T0)
+    """Run a runtime and the schedules loop on a fake clock at `t0`.
+
+    `early`: the runtime can hand over fires committed ahead of their instant (as workflowd's
+    can), so a large instant may take that path.
+    """
+    clock = FakeClock(t0)
     async with (
         SQLiteStore.open(db) as store,
         Runtime.open(store, REGISTRY, clock=clock) as rt,
@@ -81,7 +90,11 @@ async def bench(
             schedules={s.name: s for s in schedules},
             grace_s=grace_s,
             # A start of the test's own makes every fire take the one-at-a-time path.
-            batch=None if start else BatchStart(rt.prepare_many, rt.launch_many),
+            batch=None
+            if start
+            else BatchStart(rt.prepare_many, rt.launch_many, rt.release, rt.withdraw)
+            if early
+            else BatchStart(rt.prepare_many, rt.launch_many),
         )
         rt.on_exit = b.schedules.workflow_exited
         await tg.start(b.schedules.run)
