@@ -96,6 +96,8 @@ class BatchStart:
     launch: LaunchMany
     release: Release | None = None
     withdraw: Release | None = None
+    #: Holds (True) or gives back (False) the runs' turns while an instant is written early.
+    turns: Callable[[bool], None] | None = None
 
 
 #: Cancels a workflow (the runtime's cancel).
@@ -457,6 +459,11 @@ class Firer:
             return self._took_effect(batch, written, results)
         batch.written, batch.results = written, results
         return []
+
+    def hold_turns(self, held: bool) -> None:
+        """Hold the runs' turns (True) while an instant's fires are built and written early."""
+        if self._batch is not None and self._batch.turns is not None:
+            self._batch.turns(held)
 
     def release(self, batch: Batch) -> list[tuple[Entry, Exception]]:
         """Let a batch committed ahead of its instant take effect (at it); return the failures."""

@@ -174,6 +174,8 @@ class Runtime:
         self._admitting: deque[str] = deque()
         #: Workflows `launch_many` wrote ahead of their time, until `release` or `withdraw`.
         self._early: dict[str, Prepared] = {}
+        #: While above 0 no new turn is given (`hold_turns`): a large instant is being written.
+        self._turns_held = 0
         #: Of those, the ones let run whose actor has not exited yet (at most ADMIT_MAX).
         self._admitted: set[str] = set()
         #: `launch_many` writes in flight (work in progress too), and an event set when none is.
@@ -341,7 +343,8 @@ class Runtime:
             await self.scheduler.wait_idle()
             if self._launching:  # a batch being written runs once it is
                 await self._launched.wait()
-            elif self._admitting and not self.scheduler.stopping:  # turns come as actors exit
+            elif self._admitting and not self.scheduler.stopping and not self._turns_held:
+                # Turns come as actors exit.
                 self._admit()
                 await anyio.lowlevel.checkpoint()
             else:
@@ -534,6 +537,14 @@ class Runtime:
                 self._admitted_later(p)
         self._admit()
 
+    def hold_turns(self, held: bool) -> None:
+        """Give no new turns while held (a large instant's fires are built and written
+        ahead of it); the runs let run go on. Calls nest; the last release gives turns again.
+        """
+        self._turns_held += 1 if held else -1
+        if not self._turns_held:
+            self._admit()
+
     def withdraw(self, workflow_ids: Sequence[str]) -> None:
         """Forget workflows written ahead of their time whose write was taken back."""
         for wid in workflow_ids:
@@ -558,6 +569,8 @@ class Runtime:
         Each is durable (Resuming) from its write on: one not let run before a crash or a
         shutdown is resumed by the next start's recovery.
         """
+        if self._turns_held:
+            return
         waiting, admitted, scheduler = self._admitting, self._admitted, self.scheduler
         while waiting and len(admitted) < ADMIT_MAX and not scheduler.stopping:
             wid = waiting.popleft()

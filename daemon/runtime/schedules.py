@@ -215,12 +215,25 @@ class Schedules:
             self._spawn(self._prepared, at, group)
 
     async def _prepared(self, at: float, group: builtins.list[tuple[Entry, int]]) -> None:
-        """Build the on-time fires of a group due at `at`, then write them at `at`.
+        """Build the on-time fires of a group due at `at`, then write them at `at` (or, for
+        a large instant, ahead of it: `_lead_for`).
 
         A schedule that changed meanwhile (a pause, a trigger, a reload, its last run
         ending) or that is not a plain on-time start is handed back at `at` and decided
         then as any due schedule; one that was put back in the heap meanwhile is left to it.
+        While a large instant is built and written, the runs of earlier fires take no new
+        turns (they would have the loop and the writer first): its fires are on time.
         """
+        large = self._lead_for(len(group)) > 0
+        if large:
+            self._fires.hold_turns(True)
+        try:
+            await self._prepare_and_write(at, group)
+        finally:
+            if large:
+                self._fires.hold_turns(False)
+
+    async def _prepare_and_write(self, at: float, group: builtins.list[tuple[Entry, int]]) -> None:
         ready: builtins.list[tuple[Entry, int, Plan, tuple[Any, ...]]] = []
         back: builtins.list[tuple[Entry, int]] = []
         for e, token in group:
@@ -269,7 +282,8 @@ class Schedules:
         if pending.ready:
             out.append(pending)
         if lead and out:
-            self._spawn(self._fire_early, at, out)
+            early = await self._commit_all(at, out)
+            self._spawn(self._take_effect, early)
         else:
             for b in out:
                 self._spawn(self._fire_batch, b)
@@ -289,8 +303,8 @@ class Schedules:
             return 0.0
         return min(PREPARE_S, EARLY_MARGIN_S + EARLY_FACTOR * cost)
 
-    async def _fire_early(self, at: float, batches: builtins.list[Batch]) -> None:
-        """Commit an instant's batches now, ahead of it; let them take effect at `at`.
+    async def _commit_all(self, at: float, batches: builtins.list[Batch]) -> Early:
+        """Commit an instant's batches now, ahead of it (`_take_effect` lets them at `at`).
 
         Their locks are held until written, then the schedules stay busy (nothing else fires
         them) until `at`. A pause or a reload meanwhile takes its fire back (`_take_back`);
@@ -298,21 +312,25 @@ class Schedules:
         """
         early = Early(at)
         began = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            for b in batches:
+                tg.start_soon(self._commit_early, early, b)
+        fires = sum(len(b.ready) for b in early.batches)
+        if fires:
+            took = time.monotonic() - began
+            self._commit_s = (self._commit_s + took / fires) / 2
+            log.info(
+                "schedules_committed_early",
+                count=fires,
+                took_s=round(took, 3),
+                ahead_s=round(at - self._clock.now(), 3),
+            )
+        return early
+
+    async def _take_effect(self, early: Early) -> None:
+        """Let an instant's fires committed early take effect at it: their workflows run."""
         try:
-            async with anyio.create_task_group() as tg:
-                for b in batches:
-                    tg.start_soon(self._commit_early, early, b)
-            fires = sum(len(b.ready) for b in early.batches)
-            if fires:
-                took = time.monotonic() - began
-                self._commit_s = (self._commit_s + took / fires) / 2
-                log.info(
-                    "schedules_committed_early",
-                    count=fires,
-                    took_s=round(took, 3),
-                    ahead_s=round(at - self._clock.now(), 3),
-                )
-            await self._clock.sleep_until(at)
+            await self._clock.sleep_until(early.at)
         finally:
             early.released = True
             early.done.set()

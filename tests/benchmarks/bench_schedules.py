@@ -181,7 +181,7 @@ async def measure_firing(
             loop = Schedules(store=store, clock=clock, start=rt.start, cancel=rt.cancel,
                              status=rt.status_of, schedules=made, metrics=metrics,
                              batch=BatchStart(rt.prepare_many, rt.launch_many, rt.release,
-                                              rt.withdraw) if batched
+                                              rt.withdraw, rt.hold_turns) if batched
                              else None)  # fmt: skip
             await tg.start(loop.run)
             first = math.ceil((time.time() + 1.0) / every_s) * every_s

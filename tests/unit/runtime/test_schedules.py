@@ -92,7 +92,7 @@ async def bench(
             # A start of the test's own makes every fire take the one-at-a-time path.
             batch=None
             if start
-            else BatchStart(rt.prepare_many, rt.launch_many, rt.release, rt.withdraw)
+            else BatchStart(rt.prepare_many, rt.launch_many, rt.release, rt.withdraw, rt.hold_turns)
             if early
             else BatchStart(rt.prepare_many, rt.launch_many),
         )

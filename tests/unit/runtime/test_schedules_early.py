@@ -48,9 +48,7 @@ async def state_of(b: Bench, name: str) -> tuple[float, str | None, float | None
 
 
 class TestEarly:
-    async def test_written_ahead_run_at_the_instant_shown_truthfully(
-        self, tmp_path: Path
-    ) -> None:
+    async def test_written_ahead_run_at_the_instant_shown_truthfully(self, tmp_path: Path) -> None:
         """Committed before its instant, the workflow does not run and is not shown as fired
         before it; at the instant it runs, once."""
         s = Schedule("tick", "Chime", every=10, overlap="allow")
@@ -131,6 +129,7 @@ class TestEarly:
     async def test_a_reload_of_the_same_schedule_keeps_it(self, tmp_path: Path) -> None:
         """A reload that leaves the schedule as it was (new objects, same settings) keeps the
         early fire: it runs at its instant, once, from the one write."""
+
         def make() -> Schedule:
             return Schedule("k", "Chime", every=10, input={"label": "same"})
 
