@@ -465,12 +465,15 @@ class Firer:
         if self._batch is not None and self._batch.turns is not None:
             self._batch.turns(held)
 
-    def release(self, batch: Batch) -> list[tuple[Entry, Exception]]:
-        """Let a batch committed ahead of its instant take effect (at it); return the failures."""
+    def release(self, batch: Batch, now: float) -> list[tuple[Entry, Exception]]:
+        """Let a batch committed ahead of its instant take effect (at it); return the failures.
+
+        `now` is shared by the batches of the instant: their schedules' next times match.
+        """
         assert self._batch is not None and self._batch.release is not None
         assert batch.results is not None
         self._batch.release([f.workflow_id for f in batch.ready])
-        return self._took_effect(batch, batch.written, batch.results)
+        return self._took_effect(batch, batch.written, batch.results, now)
 
     async def undo(self, fires: Sequence[Ready], *, paused: str | None = None) -> list[bool]:
         """Take fires committed ahead of their instant back, in one transaction (and pause).
@@ -499,9 +502,10 @@ class Firer:
         batch: Batch,
         written: set[str],
         results: Sequence[dict[str, Any] | Exception],
+        now: float | None = None,
     ) -> list[tuple[Entry, Exception]]:
         """Move the schedules of a written batch on, log each fire; return the failures."""
-        now = self._clock.now()
+        now = self._clock.now() if now is None else now
         failed = list(batch.failed)
         counted: list[tuple[str, str]] = []
         for f, result in zip(batch.ready, results, strict=True):

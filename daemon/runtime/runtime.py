@@ -57,6 +57,9 @@ SUMMARY_SLICE = 100
 #: time but left the runs waiting on the writer's round trips, ~200 runs/s; 1,024 keeps both
 #: going, measured.)
 ADMIT_MAX = 1024
+#: The same while a large instant's fires are built and written ahead of it (`hold_turns`):
+#: they have the loop and the writer first, the runs still go on (none starves).
+ADMIT_HELD = 128
 #: Workflows waiting their turn kept in memory as written at most (a backlog past it costs a
 #: read each when its turn comes, not memory).
 FRESH_MAX = 100_000
@@ -174,7 +177,8 @@ class Runtime:
         self._admitting: deque[str] = deque()
         #: Workflows `launch_many` wrote ahead of their time, until `release` or `withdraw`.
         self._early: dict[str, Prepared] = {}
-        #: While above 0 no new turn is given (`hold_turns`): a large instant is being written.
+        #: While above 0 at most ADMIT_HELD run at once (`hold_turns`): a large instant is
+        #: being built and written.
         self._turns_held = 0
         #: Of those, the ones let run whose actor has not exited yet (at most ADMIT_MAX).
         self._admitted: set[str] = set()
@@ -343,8 +347,7 @@ class Runtime:
             await self.scheduler.wait_idle()
             if self._launching:  # a batch being written runs once it is
                 await self._launched.wait()
-            elif self._admitting and not self.scheduler.stopping and not self._turns_held:
-                # Turns come as actors exit.
+            elif self._admitting and not self.scheduler.stopping:  # turns come as actors exit
                 self._admit()
                 await anyio.lowlevel.checkpoint()
             else:
@@ -538,8 +541,8 @@ class Runtime:
         self._admit()
 
     def hold_turns(self, held: bool) -> None:
-        """Give no new turns while held (a large instant's fires are built and written
-        ahead of it); the runs let run go on. Calls nest; the last release gives turns again.
+        """Let at most ADMIT_HELD run at once while held (a large instant's fires are built
+        and written ahead of it). Calls nest; the last release gives the turns back.
         """
         self._turns_held += 1 if held else -1
         if not self._turns_held:
@@ -569,10 +572,9 @@ class Runtime:
         Each is durable (Resuming) from its write on: one not let run before a crash or a
         shutdown is resumed by the next start's recovery.
         """
-        if self._turns_held:
-            return
+        limit = ADMIT_HELD if self._turns_held else ADMIT_MAX
         waiting, admitted, scheduler = self._admitting, self._admitted, self.scheduler
-        while waiting and len(admitted) < ADMIT_MAX and not scheduler.stopping:
+        while waiting and len(admitted) < limit and not scheduler.stopping:
             wid = waiting.popleft()
             scheduler.submit(wid, Item("resume"))
             if scheduler.running(wid):  # not parked by a hold: its exit frees the turn

@@ -172,6 +172,7 @@ class Schedules:
                     continue
             now = self._clock.now()
             batch: list[tuple[Entry, Plan]] = []
+            made: list[Batch] = []
             while self._heap and self._heap[0][0] <= now:
                 _, token, name = heapq.heappop(self._heap)
                 e = self._entries.get(name)
@@ -189,10 +190,12 @@ class Schedules:
                 else:
                     batch.append((e, p))
                     if len(batch) >= BATCH_MAX:
-                        self._spawn(self._fire_batch, self._fires.prepare(batch))
+                        made.append(self._fires.prepare(batch))
                         batch = []
             if batch:
-                self._spawn(self._fire_batch, self._fires.prepare(batch))
+                made.append(self._fires.prepare(batch))
+            if made:
+                self._fire_due(now, made)
             lead = self._lead()
             if lead:
                 self._take_ahead(now + lead)
@@ -254,8 +257,8 @@ class Schedules:
             batches, back = [], [*back, *((e, token) for e, token, _, _ in ready)]
         lead = self._lead_for(len(ready))
         await self._clock.sleep_until(at - lead)
-        if lead and self._clock.now() >= at:
-            lead = 0.0  # built too late to be early: written at its time, as any
+        # Built too late to be early (the loop is behind), a large instant still commits
+        # and takes effect as one: its schedules stay one group for the next instant.
         # Nothing is durable before its time, but for a large instant's fires, committed
         # `lead` ahead of it (their workflows run at it): from here they are checked and
         # written.
@@ -292,6 +295,33 @@ class Schedules:
             if e.token == token:
                 self._push(e, now)
 
+    def _fire_due(self, now: float, made: builtins.list[Batch]) -> None:
+        """Write batches of fires found due (late: the loop is behind, or not built ahead).
+
+        Many (a large instant the loop fell behind on) commit and take effect as one, as an
+        early instant does, so that their schedules stay one group for the next instant
+        (one slice at a time they would come back, and be built, a slice at a time).
+        """
+        if self._lead_for(sum(len(b.ready) for b in made)) == 0.0:
+            for b in made:
+                self._spawn(self._fire_batch, b)
+            return
+        for b in made:
+            for e, error in b.failed:  # decided again, alone (it holds its lock)
+                e.lock.release()
+                self._failed(e, error)
+                e.busy = False
+            b.failed = []
+        self._spawn(self._fire_group, now, made)
+
+    async def _fire_group(self, at: float, made: builtins.list[Batch]) -> None:
+        self._fires.hold_turns(True)
+        try:
+            early = await self._commit_all(at, made)
+        finally:
+            self._fires.hold_turns(False)
+        await self._take_effect(early)
+
     def _lead_for(self, fires: int) -> float:
         """Return how long before their instant these many on-time fires are committed.
 
@@ -311,7 +341,7 @@ class Schedules:
         a trigger waits for `at`; a stop leaves them durable, for recovery to run at `at`.
         """
         early = Early(at)
-        began = time.monotonic()
+        began, ahead = time.monotonic(), at - self._clock.now()
         async with anyio.create_task_group() as tg:
             for b in batches:
                 tg.start_soon(self._commit_early, early, b)
@@ -323,6 +353,7 @@ class Schedules:
                 "schedules_committed_early",
                 count=fires,
                 took_s=round(took, 3),
+                began_ahead_s=round(ahead, 3),
                 ahead_s=round(at - self._clock.now(), 3),
             )
         return early
@@ -334,8 +365,9 @@ class Schedules:
         finally:
             early.released = True
             early.done.set()
+        now = self._clock.now()  # one for all: their next times match, they stay one group
         for b in early.batches:
-            self._settle(b, self._fires.release(b))
+            self._settle(b, self._fires.release(b, now), now)
 
     async def _commit_early(self, early: Early, batch: Batch) -> None:
         """Commit one batch ahead of its instant (its locks are held); a failure is decided
@@ -361,10 +393,11 @@ class Schedules:
             e.early = early
             e.lock.release()
 
-    def _settle(self, batch: Batch, failed: builtins.list[tuple[Entry, Exception]]) -> None:
+    def _settle(
+        self, batch: Batch, failed: builtins.list[tuple[Entry, Exception]], now: float
+    ) -> None:
         """Free the schedules of a batch that took effect; put each back for its next time."""
         errors = {id(e): error for e, error in failed}
-        now = self._clock.now()
         for e in batch.entries():
             e.busy, e.early = False, None
             error = errors.get(id(e))
@@ -412,7 +445,8 @@ class Schedules:
             early.put_back(f, result)
             return
         b = Batch(ready=[f], written={f.workflow_id}, results=[result])
-        self._settle(b, self._fires.release(b))
+        now = self._clock.now()
+        self._settle(b, self._fires.release(b, now), now)
 
     async def _sync(self) -> None:
         """Load the state of schedules new to this loop; drop the ones no longer wanted."""
