@@ -165,6 +165,40 @@ class TestEarly:
             assert await b.kinds("t") == ["fired", "manual"]
             assert (await b.schedules.show("t"))["last_workflow_id"] == answers[0]["workflow_id"]
 
+    async def test_the_clock_stepping_back_between_repeats_nothing(self, tmp_path: Path) -> None:
+        """The wall clock stepping back after the early commit: the fire happens once."""
+        s = Schedule("b", "Chime", every=10, overlap="allow")
+        async with bench(tmp_path / "db", s, early=True) as b:
+            wid = workflow_id("b", AT)
+            await committed_early(b, wid)
+            b.clock.advance(-5.0)
+            await anyio.sleep(0.05)
+            await b.to(T0 + 15)
+            assert await fired_ids(b, "b", 1) == [wid]
+            assert await b.status(wid) == "Finished"
+            await b.to(T0 + 19)
+            assert await b.kinds("b") == ["fired"]
+
+    async def test_a_cancelled_one_stands_when_paused(self, tmp_path: Path) -> None:
+        """A workflow committed early and cancelled before its instant is not taken back by a
+        pause: its fire stands (its record, the schedule's progress), it stays Cancelled."""
+        s = Schedule("c", "Chime", every=10, overlap="allow")
+        async with bench(tmp_path / "db", s, early=True) as b:
+            wid = workflow_id("c", AT)
+            await committed_early(b, wid)
+            await b.rt.cancel(wid)
+            assert await b.status(wid) == "Cancelled"
+            await b.schedules.pause("c")
+            assert await b.status(wid) == "Cancelled"
+            assert (await state_of(b, "c"))[:2] == (AT, wid)
+            await b.to(AT)
+
+            async def took_effect() -> bool:
+                return (await b.schedules.show("c"))["last_workflow_id"] == wid
+
+            await eventually(took_effect)
+            assert await b.kinds("c") == ["fired"] and await b.status(wid) == "Cancelled"
+
     async def test_a_lone_schedule_keeps_lead_zero(self, tmp_path: Path) -> None:
         """At its default threshold, small instants keep today's path (lead 0)."""
         async with bench(tmp_path / "db", Schedule("one", "Chime", every=10), early=True) as b:
