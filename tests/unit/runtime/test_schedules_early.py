@@ -194,7 +194,7 @@ class TestEarly:
             await b.to(AT)
 
             async def took_effect() -> bool:
-                return (await b.schedules.show("c"))["last_workflow_id"] == wid
+                return bool((await b.schedules.show("c"))["last_workflow_id"] == wid)
 
             await eventually(took_effect)
             assert await b.kinds("c") == ["fired"] and await b.status(wid) == "Cancelled"
