@@ -519,6 +519,10 @@ class Runtime:
             try:
                 if inserted and held is not None:
                     held[p.row.id] = p
+                    # Kept in memory from the write on: a cancel (or any load) before the
+                    # release takes it from here, so the release never runs a stale copy.
+                    if len(self.cache.fresh) < FRESH_MAX:
+                        self.cache.fresh[p.row.id] = p.make
                     out.append({"workflow_id": p.row.id, "status": p.row.status, "created": True})
                     continue
                 out.append(
@@ -537,7 +541,7 @@ class Runtime:
         for wid in workflow_ids:
             p = early.pop(wid, None)
             if p is not None:
-                self._admitted_later(p)
+                self._admitted_later(p, fresh=False)  # in `cache.fresh` since the write
         self._admit()
 
     def hold_turns(self, held: bool) -> None:
@@ -551,17 +555,21 @@ class Runtime:
     def withdraw(self, workflow_ids: Sequence[str]) -> None:
         """Forget workflows written ahead of their time whose write was taken back."""
         for wid in workflow_ids:
-            self._early.pop(wid, None)
+            if self._early.pop(wid, None) is not None:
+                self.cache.fresh.pop(wid, None)
 
-    def _admitted_later(self, p: Prepared) -> dict[str, Any]:
-        """Run a workflow `launch_many` just wrote when its turn comes (`_admit`)."""
+    def _admitted_later(self, p: Prepared, *, fresh: bool = True) -> dict[str, Any]:
+        """Run a workflow `launch_many` just wrote when its turn comes (`_admit`).
+
+        `fresh`: keep its maker in `cache.fresh` (False: put there at the write already).
+        """
         row = p.row
         wid = row.id
         if self.leases is not None:  # whichever daemon is free claims it (woken by a NOTIFY)
             return {"workflow_id": wid, "status": row.status, "created": True}
         if row.deadline is not None:
             self.deadlines.add(wid, row.deadline)
-        if len(self.cache.fresh) < FRESH_MAX:  # past it, its run reads its row
+        if fresh and len(self.cache.fresh) < FRESH_MAX:  # past it, its run reads its row
             self.cache.fresh[wid] = p.make
         self._admitting.append(wid)
         return {"workflow_id": wid, "status": row.status, "created": True}

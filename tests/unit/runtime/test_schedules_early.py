@@ -199,6 +199,26 @@ class TestEarly:
             await eventually(took_effect)
             assert await b.kinds("c") == ["fired"] and await b.status(wid) == "Cancelled"
 
+    async def test_one_cancelled_between_stays_cancelled(self, tmp_path: Path) -> None:
+        """Cancelled before its instant and then out of the cache (a busy daemon's cache
+        turns over), the workflow is not run at its instant from the start it was built as."""
+        s = Schedule("x", "Chime", every=10, overlap="allow")
+        async with bench(tmp_path / "db", s, early=True) as b:
+            wid = workflow_id("x", AT)
+            await committed_early(b, wid)
+            await b.rt.cancel(wid)
+            assert await b.status(wid) == "Cancelled"
+            b.rt.cache.forget(wid)
+            await b.to(AT)
+
+            async def took_effect() -> bool:
+                return bool((await b.schedules.show("x"))["last_workflow_id"] == wid)
+
+            await eventually(took_effect)
+            assert await b.status(wid) == "Cancelled"
+            row = await b.store.get(wid)
+            assert row is not None and '"rang":false' in row.data
+
     async def test_a_lone_schedule_keeps_lead_zero(self, tmp_path: Path) -> None:
         """At its default threshold, small instants keep today's path (lead 0)."""
         async with bench(tmp_path / "db", Schedule("one", "Chime", every=10), early=True) as b:
