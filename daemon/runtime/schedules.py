@@ -230,13 +230,16 @@ class Schedules:
         large = self._lead_for(len(group)) > 0
         if large:
             self._fires.hold_turns(True)
+        turns = [large]  # the turns are held while it builds and writes, not while it waits
         try:
-            await self._prepare_and_write(at, group)
+            await self._prepare_and_write(at, group, turns)
         finally:
-            if large:
+            if turns[0]:
                 self._fires.hold_turns(False)
 
-    async def _prepare_and_write(self, at: float, group: builtins.list[tuple[Entry, int]]) -> None:
+    async def _prepare_and_write(
+        self, at: float, group: builtins.list[tuple[Entry, int]], turns: builtins.list[bool]
+    ) -> None:
         ready: builtins.list[tuple[Entry, int, Plan, tuple[Any, ...]]] = []
         back: builtins.list[tuple[Entry, int]] = []
         for e, token in group:
@@ -256,6 +259,12 @@ class Schedules:
         except Exception:  # noqa: BLE001 - decided at its time, where a failure is logged and retried
             batches, back = [], [*back, *((e, token) for e, token, _, _ in ready)]
         lead = self._lead_for(len(ready))
+        if turns[0] and at - lead > self._clock.now():
+            turns[0] = False
+            self._fires.hold_turns(False)
+            await self._clock.sleep_until(at - lead)
+            self._fires.hold_turns(True)
+            turns[0] = True
         await self._clock.sleep_until(at - lead)
         # Built too late to be early (the loop is behind), a large instant still commits
         # and takes effect as one: its schedules stay one group for the next instant.
