@@ -62,7 +62,8 @@ MAX_WORKERS = 4096
 BATCH_MAX = 500
 #: On-time fires are built up to this long before they are due (their ids, workflows and
 #: rows), so that at the due instant only their write is left; nothing is written before
-#: then. An `every=1` schedule is built again as soon as its last fire is written.
+#: then but a large instant's fires (EARLY_OVER_S), whose workflows still run at it. An
+#: `every=1` schedule is built again as soon as its last fire took effect.
 PREPARE_S = 1.0
 #: Fires are built ahead this many at a time (~50 ms of the loop), the loop's other work
 #: running between.
@@ -224,8 +225,8 @@ class Schedules:
         A schedule that changed meanwhile (a pause, a trigger, a reload, its last run
         ending) or that is not a plain on-time start is handed back at `at` and decided
         then as any due schedule; one that was put back in the heap meanwhile is left to it.
-        While a large instant is built and written, the runs of earlier fires take no new
-        turns (they would have the loop and the writer first): its fires are on time.
+        While a large instant is built and written, the runs of earlier fires get at most
+        ADMIT_HELD turns at once (not ADMIT_MAX): its fires have the loop and the writer first.
         """
         large = self._lead_for(len(group)) > 0
         if large:
