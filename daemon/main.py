@@ -208,7 +208,9 @@ async def run_daemon(
                 held=lambda: rt.scheduler.hold.held,
                 schedules=schedules,
                 metrics=metrics,
-                batch=BatchStart(rt.prepare_many, rt.launch_many),
+                batch=BatchStart(
+                    rt.prepare_many, rt.launch_many, rt.release, rt.withdraw, rt.hold_turns
+                ),
             )
             hooks = Hooks(
                 queue=LeaderQueue(store) if isinstance(store, PostgresStore) else store,

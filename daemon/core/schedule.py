@@ -118,6 +118,16 @@ class Schedule:
         self.jitter_s, self.overlap = float(jitter_s), overlap
         self._zone: tzinfo = UTC if tz == "UTC" else zone
 
+    def fires_like(self, other: Schedule) -> bool:
+        """Tell whether `other` fires as this one does: same times, workflow, input, policy."""
+        return (
+            self.name, self.workflow, self.tz, self.cron, self.every, self.jitter_s,
+            self.overlap, self.catchup, self.catchup_window_s,
+        ) == (
+            other.name, other.workflow, other.tz, other.cron, other.every, other.jitter_s,
+            other.overlap, other.catchup, other.catchup_window_s,
+        ) and self.input == other.input  # fmt: skip
+
     def __repr__(self) -> str:
         return f"Schedule({self.name!r}, {self.workflow!r}, {self.spec!r}, tz={self.tz!r})"
 

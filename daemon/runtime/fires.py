@@ -21,7 +21,15 @@ from daemon.core.schedule import Plan, Schedule, iso, manual_id, plan, workflow_
 from daemon.core.state import FINAL_STATUSES
 from daemon.errors import WorkflowdError
 from daemon.observe.metrics import Metrics
-from daemon.store.base import FireRecord, History, ScheduleFire, Store, WorkflowRow
+from daemon.store.base import (
+    EarlyFires,
+    FireRecord,
+    History,
+    ScheduleFire,
+    ScheduleUndo,
+    Store,
+    WorkflowRow,
+)
 
 log = structlog.get_logger()
 FINAL = frozenset(s.value for s in FINAL_STATUSES)
@@ -62,19 +70,34 @@ PrepareMany = Callable[[Sequence[tuple[str, str, dict[str, Any] | None]]], list[
 
 
 class LaunchMany(Protocol):
-    """Writes built starts with one `create`, then runs them: an answer or error each."""
+    """Writes built starts with one `create`, then runs them: an answer or error each.
+
+    With `not_before` they are kept, not run, until `BatchStart.release` (at that time).
+    """
 
     async def __call__(
-        self, prepared: Sequence[Any], *, create: CreateMany
+        self, prepared: Sequence[Any], *, create: CreateMany, not_before: float | None = None
     ) -> list[dict[str, Any] | Exception]: ...
+
+
+#: The runtime's hand-over of workflows written ahead of their time: run them, or forget them.
+Release = Callable[[Sequence[str]], None]
 
 
 @dataclass(frozen=True, slots=True)
 class BatchStart:
-    """The runtime's batch start in two steps: build the workflows ahead, then write them."""
+    """The runtime's batch start in two steps: build the workflows ahead, then write them.
+
+    With `release` and `withdraw` (and a store that has `EarlyFires`), a large instant's
+    fires may be written ahead of it and their workflows run at it.
+    """
 
     prepare: PrepareMany
     launch: LaunchMany
+    release: Release | None = None
+    withdraw: Release | None = None
+    #: Holds (True) or gives back (False) the runs' turns while an instant is written early.
+    turns: Callable[[bool], None] | None = None
 
 
 #: Cancels a workflow (the runtime's cancel).
@@ -114,6 +137,8 @@ class Entry:
     #: Its buffered fire may start: the workflow it waited for has stopped running.
     release_due: bool = False
     failures: int = 0
+    #: Its fire committed ahead of the instant and not yet taken effect (see `Early`).
+    early: Early | None = None
     # asyncio's lock, not anyio's: taken once per fire, and uncontended it never yields.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -156,6 +181,11 @@ class Firer:
         self._metrics = metrics
         self._start, self._cancel, self._status, self._running = start, cancel, status, running
         self._batch = batch
+        self._early = (
+            store
+            if isinstance(store, EarlyFires) and batch is not None and batch.release is not None
+            else None
+        )
         self.spacing_s = spacing_s
         #: A running workflow id -> the schedule whose buffered fire waits for it to end.
         self._waiting: dict[str, Entry] = {}
@@ -387,17 +417,26 @@ class Firer:
             out.ready.append(f)
         return out
 
-    async def commit(self, batch: Batch) -> list[tuple[Entry, Exception]]:
+    @property
+    def early(self) -> bool:
+        """Tell whether fires can be committed ahead of their instant (see `commit`)."""
+        return self._early is not None
+
+    async def commit(
+        self, batch: Batch, not_before: float | None = None
+    ) -> list[tuple[Entry, Exception]]:
         """Start a prepared batch's workflows in one transaction; return the failures.
 
         Each schedule's row and fire record commit with its workflow, as in `fire`. A start
         that could not be made is returned with its error; if the write itself fails, this
-        raises and nothing was committed.
+        raises and nothing was committed. With `not_before` (the fires' instant, still to
+        come) the write is made now and the fires take effect at `release`: until then
+        neither their workflows run nor the schedules' state here moves.
         """
         assert self._batch is not None
-        now = self._clock.now()
         about = {f.workflow_id: f for f in batch.ready}
         written: set[str] = set()
+        early = self._early if not_before is not None else None
 
         async def create(rows: Sequence[tuple[WorkflowRow, History]]) -> list[bool]:
             fires = []
@@ -405,11 +444,68 @@ class Firer:
                 fire = about[row.id].fire
                 assert fire is not None and fire.row is row  # built by `prepare`, stamped since
                 fires.append(fire)
-            created = await self._store.schedule_fire_many(fires)
+            if early is not None:
+                assert not_before is not None
+                created = await early.schedule_fire_early(fires, not_before)
+            else:
+                created = await self._store.schedule_fire_many(fires)
             written.update(row.id for row, _ in rows)
             return created
 
-        results = await self._batch.launch([f.built for f in batch.ready], create=create)
+        results = await self._batch.launch(
+            [f.built for f in batch.ready], create=create, not_before=not_before
+        )
+        if not_before is None:
+            return self._took_effect(batch, written, results)
+        batch.written, batch.results = written, results
+        return []
+
+    def hold_turns(self, held: bool) -> None:
+        """Hold the runs' turns (True) while an instant's fires are built and written early."""
+        if self._batch is not None and self._batch.turns is not None:
+            self._batch.turns(held)
+
+    def release(self, batch: Batch, now: float) -> list[tuple[Entry, Exception]]:
+        """Let a batch committed ahead of its instant take effect (at it); return the failures.
+
+        `now` is shared by the batches of the instant: their schedules' next times match.
+        """
+        assert self._batch is not None and self._batch.release is not None
+        assert batch.results is not None
+        self._batch.release([f.workflow_id for f in batch.ready])
+        return self._took_effect(batch, batch.written, batch.results, now)
+
+    async def undo(self, fires: Sequence[Ready], *, paused: str | None = None) -> list[bool]:
+        """Take fires committed ahead of their instant back, in one transaction (and pause).
+
+        True where taken back; False where its workflow moved meanwhile (a cancel), so that
+        fire stands and is still to be released.
+        """
+        assert self._early is not None and self._batch is not None
+        assert self._batch.withdraw is not None
+        undos = [
+            ScheduleUndo(
+                f.entry.schedule.name,
+                f.workflow_id,
+                f.entry.last,
+                f.entry.last_workflow_id,
+                f.entry.last_fire_at,
+            )
+            for f in fires
+        ]
+        done = await self._early.schedule_undo(undos, paused=paused)
+        self._batch.withdraw([f.workflow_id for f, gone in zip(fires, done, strict=True) if gone])
+        return done
+
+    def _took_effect(
+        self,
+        batch: Batch,
+        written: set[str],
+        results: Sequence[dict[str, Any] | Exception],
+        now: float | None = None,
+    ) -> list[tuple[Entry, Exception]]:
+        """Move the schedules of a written batch on, log each fire; return the failures."""
+        now = self._clock.now() if now is None else now
         failed = list(batch.failed)
         counted: list[tuple[str, str]] = []
         for f, result in zip(batch.ready, results, strict=True):
@@ -459,7 +555,43 @@ class Batch:
 
     ready: list[Ready] = field(default_factory=list)
     failed: list[tuple[Entry, Exception]] = field(default_factory=list)
+    #: Committed ahead of its instant: the ids written, and the starts' answers (`release`).
+    written: set[str] = field(default_factory=set)
+    results: list[dict[str, Any] | Exception] | None = None
 
     def entries(self) -> list[Entry]:
         """Return the schedules of the batch, ready or failed."""
         return [*(f.entry for f in self.ready), *(e for e, _ in self.failed)]
+
+
+@dataclass(eq=False, slots=True)
+class Early:
+    """The batches of one instant committed ahead of it, until they take effect at `at`."""
+
+    at: float
+    batches: list[Batch] = field(default_factory=list)
+    #: Set once they took effect (`Firer.release`): a pause from then on is a plain pause.
+    released: bool = False
+    #: Set when released: a trigger in the meantime waits for it.
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def take(self, e: Entry) -> tuple[Ready, dict[str, Any] | Exception] | None:
+        """Take a schedule's fire (and its start's answer) out, not to be released.
+
+        None if it is not in, or the batch was released already.
+        """
+        if self.released:
+            return None
+        for b in self.batches:
+            for i, f in enumerate(b.ready):
+                if f.entry is e:
+                    assert b.results is not None
+                    result = b.results.pop(i)
+                    del b.ready[i]
+                    return f, result
+        return None
+
+    def put_back(self, f: Ready, result: dict[str, Any] | Exception) -> None:
+        """Put a fire taken out back (its undo failed or did not apply): it is released."""
+        b = Batch(ready=[f], written={f.workflow_id}, results=[result])
+        self.batches.append(b)

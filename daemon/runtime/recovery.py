@@ -13,8 +13,10 @@ one loaded before (its timer fires, an event comes) is checked at that load, bef
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +33,7 @@ from daemon.runtime.arming import SIGNAL, TIMER, Arms, Key, timer_deadline
 from daemon.runtime.cache import Cache, Loaded
 from daemon.runtime.scheduler import Scheduler
 from daemon.runtime.work import Item
-from daemon.store.base import Sleepers, SleepingState, Store, WorkflowRow
+from daemon.store.base import EarlyFires, Sleepers, SleepingState, Store, WorkflowRow
 
 log = structlog.get_logger()
 
@@ -110,6 +112,7 @@ class Recovery:
         arms: Arms,
         deadline: Callable[[str, float], None] = lambda workflow_id, at: None,
         sleepers: Sleepers | None = None,
+        deferred: EarlyFires | None = None,
     ) -> None:
         self._store, self._cache, self._scheduler, self._arms = store, cache, scheduler, arms
         #: The store's reads of Waiting workflows apart, if it has them.
@@ -118,6 +121,12 @@ class Recovery:
         self.checked_at_start = CHECKED_AT_START
         #: Arms a workflow's deadline (`timeout_s`), which holds even while it is held.
         self._deadline = deadline
+        #: The store's reads of workflows committed ahead of their time, if it has them.
+        self._deferred = deferred
+        #: Of the workflows being recovered, those not to run before a time to come: id -> it.
+        self._not_before: dict[str, float] = {}
+        #: Their resumes, one timer per time (a batch shares one), and the ids each resumes.
+        self._later: dict[float, list[str]] = {}
 
     async def recover(self) -> None:
         """Pick up every unfinished workflow: resume runnable ones, re-arm waiting ones.
@@ -125,6 +134,10 @@ class Recovery:
         Each is checked against the code first; one that does not fit is held with the reason.
         """
         counts = dict.fromkeys(("resumed", "armed", "broken", "incompatible", "held"), 0)
+        if self._deferred is not None:
+            # Committed ahead of their time (a schedule's large instant) by a daemon that
+            # stopped before it: each runs at its time, not before.
+            self._not_before = await self._deferred.deferred_starts(time.time())
         pending = await self._store.inbox_pending()
         unseen = {p.workflow_id for p in pending}
         if self._sleepers is None or self._scheduler.hold.held:
@@ -165,7 +178,25 @@ class Recovery:
             )
         if dropped:
             await self._store.inbox_done(dropped)
+        self._not_before = {}
         log.info("recovered", **counts, unchecked=len(self._cache.unchecked))
+
+    def _resume_at(self, workflow_id: str, at: float) -> None:
+        """Resume a workflow at `at` (epoch seconds), not before."""
+        ids = self._later.get(at)
+        if ids is None:
+            ids = self._later[at] = []
+            delay = max(0.0, at - time.time())
+            asyncio.get_running_loop().call_later(delay, self._resume_due, at)
+        ids.append(workflow_id)
+
+    def _resume_due(self, at: float) -> None:
+        if time.time() < at:  # the wall clock stepped back meanwhile: still not before it
+            asyncio.get_running_loop().call_later(at - time.time(), self._resume_due, at)
+            return
+        for wid in self._later.pop(at, ()):
+            if not self._scheduler.stopping:  # a stop leaves it Resuming, for the next start
+                self._scheduler.submit(wid, Item("resume"))
 
     async def _recover_lean(self, after: str, counts: dict[str, int], unseen: set[str]) -> None:
         """Arm the timers of the Waiting workflows with an id over `after` from their states.
@@ -316,7 +347,11 @@ class Recovery:
         )
         if state.status is WorkflowStatus.RESUMING or needs_setup:
             self._cache.remember(loaded)
-            self._scheduler.submit(row.id, Item("resume"))
+            at = self._not_before.pop(row.id, None)
+            if at is not None and state.status is WorkflowStatus.RESUMING:
+                self._resume_at(row.id, at)
+            else:
+                self._scheduler.submit(row.id, Item("resume"))
             return "resumed"
         try:
             self._arms.rearm(loaded.wf, loaded.state)

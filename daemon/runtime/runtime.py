@@ -39,7 +39,15 @@ from daemon.runtime.recovery import Recovery
 from daemon.runtime.scheduler import Hold, Scheduler
 from daemon.runtime.settings import Settings
 from daemon.runtime.work import Item, Reply
-from daemon.store.base import History, Position, Shared, Sleepers, Store, WorkflowRow
+from daemon.store.base import (
+    EarlyFires,
+    History,
+    Position,
+    Shared,
+    Sleepers,
+    Store,
+    WorkflowRow,
+)
 
 #: Workflows summarized between two checkpoints of `page` (~2 ms of the event loop).
 SUMMARY_SLICE = 100
@@ -49,6 +57,9 @@ SUMMARY_SLICE = 100
 #: time but left the runs waiting on the writer's round trips, ~200 runs/s; 1,024 keeps both
 #: going, measured.)
 ADMIT_MAX = 1024
+#: The same while a large instant's fires are built and written ahead of it (`hold_turns`):
+#: they have the loop and the writer first, the runs still go on (none starves).
+ADMIT_HELD = 128
 #: Workflows waiting their turn kept in memory as written at most (a backlog past it costs a
 #: read each when its turn comes, not memory).
 FRESH_MAX = 100_000
@@ -144,6 +155,7 @@ class Runtime:
             arms=self.arms,
             deadline=self.deadlines.add,
             sleepers=store if isinstance(store, Sleepers) else None,
+            deferred=store if isinstance(store, EarlyFires) else None,
         )
         self.cache.vet = self.recovery.vet
         self.endings = Endings(
@@ -163,6 +175,11 @@ class Runtime:
         self.on_exit: Callable[[str, str | None], None] | None = None
         #: Workflows `launch_many` wrote, waiting for their turn to run, oldest first.
         self._admitting: deque[str] = deque()
+        #: Workflows `launch_many` wrote ahead of their time, until `release` or `withdraw`.
+        self._early: dict[str, Prepared] = {}
+        #: While above 0 at most ADMIT_HELD run at once (`hold_turns`): a large instant is
+        #: being built and written.
+        self._turns_held = 0
         #: Of those, the ones let run whose actor has not exited yet (at most ADMIT_MAX).
         self._admitted: set[str] = set()
         #: `launch_many` writes in flight (work in progress too), and an event set when none is.
@@ -462,19 +479,26 @@ class Runtime:
         return out
 
     async def launch_many(
-        self, prepared: Sequence[Prepared], *, create: CreateMany
+        self,
+        prepared: Sequence[Prepared],
+        *,
+        create: CreateMany,
+        not_before: float | None = None,
     ) -> builtins.list[dict[str, Any] | Exception]:
         """Write workflows built by `prepare_many` with one `create`, then run them.
 
         Their rows are stamped with the time of this write (and their deadlines counted from
         it). The caller logs each start (a schedule's `schedule_fired` names the workflow), so
         no `workflow_started` line is added. One answer or error each; if `create` raises, so
-        does this.
+        does this. With `not_before` (a batch written ahead of its time) they are stamped with
+        that time and kept until `release` (or `withdraw`) instead of run.
         """
         self._check_open()
         if not prepared:
             return []
         now, clock_now = time.time(), self.clock.now()
+        if not_before is not None:
+            now, clock_now = max(now, not_before), max(clock_now, not_before)
         for p in prepared:
             row = p.row
             row.created_at = row.updated_at = now
@@ -490,8 +514,17 @@ class Runtime:
             if not self._launching:
                 self._launched.set()
         out: builtins.list[dict[str, Any] | Exception] = []
+        held = self._early if not_before is not None else None
         for p, inserted in zip(prepared, created, strict=True):
             try:
+                if inserted and held is not None:
+                    held[p.row.id] = p
+                    # Kept in memory from the write on: a cancel (or any load) before the
+                    # release takes it from here, so the release never runs a stale copy.
+                    if len(self.cache.fresh) < FRESH_MAX:
+                        self.cache.fresh[p.row.id] = p.make
+                    out.append({"workflow_id": p.row.id, "status": p.row.status, "created": True})
+                    continue
                 out.append(
                     self._admitted_later(p)
                     if inserted
@@ -502,15 +535,41 @@ class Runtime:
         self._admit()
         return out
 
-    def _admitted_later(self, p: Prepared) -> dict[str, Any]:
-        """Run a workflow `launch_many` just wrote when its turn comes (`_admit`)."""
+    def release(self, workflow_ids: Sequence[str]) -> None:
+        """Let workflows `launch_many` wrote ahead of their time run (at that time), in turns."""
+        early = self._early
+        for wid in workflow_ids:
+            p = early.pop(wid, None)
+            if p is not None:
+                self._admitted_later(p, fresh=False)  # in `cache.fresh` since the write
+        self._admit()
+
+    def hold_turns(self, held: bool) -> None:
+        """Let at most ADMIT_HELD run at once while held (a large instant's fires are built
+        and written ahead of it). Calls nest; the last release gives the turns back.
+        """
+        self._turns_held += 1 if held else -1
+        if not self._turns_held:
+            self._admit()
+
+    def withdraw(self, workflow_ids: Sequence[str]) -> None:
+        """Forget workflows written ahead of their time whose write was taken back."""
+        for wid in workflow_ids:
+            if self._early.pop(wid, None) is not None:
+                self.cache.fresh.pop(wid, None)
+
+    def _admitted_later(self, p: Prepared, *, fresh: bool = True) -> dict[str, Any]:
+        """Run a workflow `launch_many` just wrote when its turn comes (`_admit`).
+
+        `fresh`: keep its maker in `cache.fresh` (False: put there at the write already).
+        """
         row = p.row
         wid = row.id
         if self.leases is not None:  # whichever daemon is free claims it (woken by a NOTIFY)
             return {"workflow_id": wid, "status": row.status, "created": True}
         if row.deadline is not None:
             self.deadlines.add(wid, row.deadline)
-        if len(self.cache.fresh) < FRESH_MAX:  # past it, its run reads its row
+        if fresh and len(self.cache.fresh) < FRESH_MAX:  # past it, its run reads its row
             self.cache.fresh[wid] = p.make
         self._admitting.append(wid)
         return {"workflow_id": wid, "status": row.status, "created": True}
@@ -521,8 +580,9 @@ class Runtime:
         Each is durable (Resuming) from its write on: one not let run before a crash or a
         shutdown is resumed by the next start's recovery.
         """
+        limit = ADMIT_HELD if self._turns_held else ADMIT_MAX
         waiting, admitted, scheduler = self._admitting, self._admitted, self.scheduler
-        while waiting and len(admitted) < ADMIT_MAX and not scheduler.stopping:
+        while waiting and len(admitted) < limit and not scheduler.stopping:
             wid = waiting.popleft()
             scheduler.submit(wid, Item("resume"))
             if scheduler.running(wid):  # not parked by a hold: its exit frees the turn
@@ -887,7 +947,7 @@ class Runtime:
 
         Started workflows being written or waiting for their turn to run count too.
         """
-        return self.scheduler.busy() + len(self._admitting) + self._launching
+        return self.scheduler.busy() + len(self._admitting) + len(self._early) + self._launching
 
     def subscribe_logs(
         self, workflow_id: str | None = None, *, follow: bool = True

@@ -23,7 +23,7 @@ import anyio.lowlevel
 import structlog
 
 from daemon.clock import Clock
-from daemon.core.schedule import Plan, Schedule, plan
+from daemon.core.schedule import Plan, Schedule, iso, plan
 from daemon.errors import ScheduleNotFound
 from daemon.observe.metrics import Metrics
 from daemon.runtime.fires import (
@@ -31,8 +31,10 @@ from daemon.runtime.fires import (
     Batch,
     BatchStart,
     Cancel,
+    Early,
     Entry,
     Firer,
+    Ready,
     Running,
     Start,
     Status,
@@ -60,11 +62,20 @@ MAX_WORKERS = 4096
 BATCH_MAX = 500
 #: On-time fires are built up to this long before they are due (their ids, workflows and
 #: rows), so that at the due instant only their write is left; nothing is written before
-#: then. An `every=1` schedule is built again as soon as its last fire is written.
+#: then but a large instant's fires (EARLY_OVER_S), whose workflows still run at it. An
+#: `every=1` schedule is built again as soon as its last fire took effect.
 PREPARE_S = 1.0
 #: Fires are built ahead this many at a time (~50 ms of the loop), the loop's other work
 #: running between.
 PREPARE_SLICE = 2000
+#: An instant whose fires would take longer than this to commit has them committed ahead of
+#: it (`Schedules._lead`), so that they are durable at the instant; its workflows still run
+#: at it, not before. Smaller instants (a lone nightly schedule) commit at it, as always.
+EARLY_OVER_S = 0.010
+#: The commit time per fire assumed until one is measured (~33 us of SQLite work, measured).
+COMMIT_PER_FIRE_S = 50e-6
+#: How much longer than the measured commit time the lead is (the runs' writes compete).
+EARLY_FACTOR, EARLY_MARGIN_S = 2.0, 0.020
 RETRY_INITIAL_S, RETRY_MAX_S = 1.0, 60.0
 
 
@@ -109,6 +120,8 @@ class Schedules:
         self._ready: asyncio.Queue[Entry] = asyncio.Queue()
         self._workers = self._idle = 0
         self._tg: anyio.abc.TaskGroup | None = None
+        #: A commit's time per fire, as measured by the last early commit (see `_lead_for`).
+        self._commit_s = COMMIT_PER_FIRE_S
         self._nap_scope: anyio.CancelScope | None = None
         self._nap_until = math.inf
         #: The wall and monotonic clocks when the loop last woke.
@@ -160,6 +173,7 @@ class Schedules:
                     continue
             now = self._clock.now()
             batch: list[tuple[Entry, Plan]] = []
+            made: list[Batch] = []
             while self._heap and self._heap[0][0] <= now:
                 _, token, name = heapq.heappop(self._heap)
                 e = self._entries.get(name)
@@ -177,10 +191,12 @@ class Schedules:
                 else:
                     batch.append((e, p))
                     if len(batch) >= BATCH_MAX:
-                        self._spawn(self._fire_batch, self._fires.prepare(batch))
+                        made.append(self._fires.prepare(batch))
                         batch = []
             if batch:
-                self._spawn(self._fire_batch, self._fires.prepare(batch))
+                made.append(self._fires.prepare(batch))
+            if made:
+                self._fire_due(now, made)
             lead = self._lead()
             if lead:
                 self._take_ahead(now + lead)
@@ -203,12 +219,28 @@ class Schedules:
             self._spawn(self._prepared, at, group)
 
     async def _prepared(self, at: float, group: builtins.list[tuple[Entry, int]]) -> None:
-        """Build the on-time fires of a group due at `at`, then write them at `at`.
+        """Build the on-time fires of a group due at `at`, then write them at `at` (or, for
+        a large instant, ahead of it: `_lead_for`).
 
         A schedule that changed meanwhile (a pause, a trigger, a reload, its last run
         ending) or that is not a plain on-time start is handed back at `at` and decided
         then as any due schedule; one that was put back in the heap meanwhile is left to it.
+        While a large instant is built and written, the runs of earlier fires get at most
+        ADMIT_HELD turns at once (not ADMIT_MAX): its fires have the loop and the writer first.
         """
+        large = self._lead_for(len(group)) > 0
+        if large:
+            self._fires.hold_turns(True)
+        turns = [large]  # the turns are held while it builds and writes, not while it waits
+        try:
+            await self._prepare_and_write(at, group, turns)
+        finally:
+            if turns[0]:
+                self._fires.hold_turns(False)
+
+    async def _prepare_and_write(
+        self, at: float, group: builtins.list[tuple[Entry, int]], turns: builtins.list[bool]
+    ) -> None:
         ready: builtins.list[tuple[Entry, int, Plan, tuple[Any, ...]]] = []
         back: builtins.list[tuple[Entry, int]] = []
         for e, token in group:
@@ -227,11 +259,23 @@ class Schedules:
                 batches.append(self._fires.prepare(chunk))
         except Exception:  # noqa: BLE001 - decided at its time, where a failure is logged and retried
             batches, back = [], [*back, *((e, token) for e, token, _, _ in ready)]
-        await self._clock.sleep_until(at)
-        # Nothing is durable before its time: from here the fires are checked and written.
+        lead = self._lead_for(len(ready))
+        if turns[0] and at - lead > self._clock.now():
+            turns[0] = False
+            self._fires.hold_turns(False)
+            await self._clock.sleep_until(at - lead)
+            self._fires.hold_turns(True)
+            turns[0] = True
+        await self._clock.sleep_until(at - lead)
+        # Built too late to be early (the loop is behind), a large instant still commits
+        # and takes effect as one: its schedules stay one group for the next instant.
+        # Nothing is durable before its time, but for a large instant's fires, committed
+        # `lead` ahead of it (their workflows run at it): from here they are checked and
+        # written.
         valid = {id(e): (token, seen) for e, token, _, seen in ready}
         held = self._held()
         pending = Batch()
+        out: builtins.list[Batch] = []
         for b in batches:
             back += [(e, valid[id(e)][0]) for e, _ in b.failed]  # decided again, alone
             for f in b.ready:
@@ -246,14 +290,173 @@ class Schedules:
                 await e.lock.acquire()  # free (checked just above): this never waits
                 pending.ready.append(f)
                 if len(pending.ready) >= BATCH_MAX:  # each batch runs its workflows once written
-                    self._spawn(self._fire_batch, pending)
+                    out.append(pending)
                     pending = Batch()
         if pending.ready:
-            self._spawn(self._fire_batch, pending)
+            out.append(pending)
+        if lead and out:
+            early = await self._commit_all(at, out)
+            self._spawn(self._take_effect, early)
+        else:
+            for b in out:
+                self._spawn(self._fire_batch, b)
         now = self._clock.now()
         for e, token in back:
             if e.token == token:
                 self._push(e, now)
+
+    def _fire_due(self, now: float, made: builtins.list[Batch]) -> None:
+        """Write batches of fires found due (late: the loop is behind, or not built ahead).
+
+        Many (a large instant the loop fell behind on) commit and take effect as one, as an
+        early instant does, so that their schedules stay one group for the next instant
+        (one slice at a time they would come back, and be built, a slice at a time).
+        """
+        if self._lead_for(sum(len(b.ready) for b in made)) == 0.0:
+            for b in made:
+                self._spawn(self._fire_batch, b)
+            return
+        for b in made:
+            for e, error in b.failed:  # decided again, alone (it holds its lock)
+                e.lock.release()
+                self._failed(e, error)
+                e.busy = False
+            b.failed = []
+        self._spawn(self._fire_group, now, made)
+
+    async def _fire_group(self, at: float, made: builtins.list[Batch]) -> None:
+        self._fires.hold_turns(True)
+        try:
+            early = await self._commit_all(at, made)
+        finally:
+            self._fires.hold_turns(False)
+        await self._take_effect(early)
+
+    def _lead_for(self, fires: int) -> float:
+        """Return how long before their instant these many on-time fires are committed.
+
+        0 (at the instant, as always) unless their commit would take over EARLY_OVER_S;
+        else twice the measured commit time and a margin, at most PREPARE_S.
+        """
+        cost = fires * self._commit_s
+        if not self._fires.early or cost <= EARLY_OVER_S or self._held():
+            return 0.0
+        return min(PREPARE_S, EARLY_MARGIN_S + EARLY_FACTOR * cost)
+
+    async def _commit_all(self, at: float, batches: builtins.list[Batch]) -> Early:
+        """Commit an instant's batches now, ahead of it (`_take_effect` lets them at `at`).
+
+        Their locks are held until written, then the schedules stay busy (nothing else fires
+        them) until `at`. A pause or a reload meanwhile takes its fire back (`_take_back`);
+        a trigger waits for `at`; a stop leaves them durable, for recovery to run at `at`.
+        """
+        early = Early(at)
+        began, ahead = time.monotonic(), at - self._clock.now()
+        async with anyio.create_task_group() as tg:
+            for b in batches:
+                tg.start_soon(self._commit_early, early, b)
+        fires = sum(len(b.ready) for b in early.batches)
+        if fires:
+            took = time.monotonic() - began
+            self._commit_s = (self._commit_s + took / fires) / 2
+            log.info(
+                "schedules_committed_early",
+                count=fires,
+                took_s=round(took, 3),
+                began_ahead_s=round(ahead, 3),
+                ahead_s=round(at - self._clock.now(), 3),
+            )
+        return early
+
+    async def _take_effect(self, early: Early) -> None:
+        """Let an instant's fires committed early take effect at it: their workflows run."""
+        try:
+            await self._clock.sleep_until(early.at)
+        finally:
+            early.released = True
+            early.done.set()
+        now = self._clock.now()  # one for all: their next times match, they stay one group
+        for b in early.batches:
+            self._settle(b, self._fires.release(b, now), now)
+
+    async def _commit_early(self, early: Early, batch: Batch) -> None:
+        """Commit one batch ahead of its instant (its locks are held); a failure is decided
+        again at the instant, alone."""
+        entries = batch.entries()
+        try:
+            await self._fires.commit(batch, not_before=early.at)
+        except Exception as ex:  # noqa: BLE001 - e.g. disk full: each is tried on its own
+            log.warning(
+                "schedule_batch_failed", count=len(entries), error=f"{type(ex).__name__}: {ex}"
+            )
+            for e in entries:
+                e.lock.release()
+                self._hand(e)  # still busy: a worker takes it at its time (it plans again)
+            return
+        except BaseException:
+            for e in entries:
+                e.lock.release()
+                e.busy = False
+            raise
+        early.batches.append(batch)
+        for e in entries:
+            e.early = early
+            e.lock.release()
+
+    def _settle(
+        self, batch: Batch, failed: builtins.list[tuple[Entry, Exception]], now: float
+    ) -> None:
+        """Free the schedules of a batch that took effect; put each back for its next time."""
+        errors = {id(e): error for e, error in failed}
+        for e in batch.entries():
+            e.busy, e.early = False, None
+            error = errors.get(id(e))
+            if error is not None:
+                self._failed(e, error)
+                continue
+            e.failures = 0
+            # Put back for when it is due next (planned again then, as it is popped).
+            self._push(e, now if e.release_due else e.next_due(now, self._fires.spacing_s))
+
+    async def _take_back(self, entries: builtins.list[Entry], paused: str | None = None) -> bool:
+        """Take back the fires these schedules committed ahead of an instant still to come.
+
+        In one transaction, with `paused` paused in it. A fire released meanwhile, or whose
+        workflow a cancel reached, stands (it takes effect as any). Return whether every one
+        was taken back.
+        """
+        taken = []
+        for e in entries:
+            early = e.early
+            got = early.take(e) if early is not None else None
+            if early is not None and got is not None:
+                taken.append((e, early, *got))
+        if not taken:
+            return False
+        try:
+            done = await self._fires.undo([f for _, _, f, _ in taken], paused=paused)
+        except BaseException:
+            for e, early, f, result in taken:
+                self._stands(e, early, f, result)
+            raise
+        for (e, early, f, result), gone in zip(taken, done, strict=True):
+            if gone:
+                e.busy, e.early = False, None
+                log.info(
+                    "schedule_fire_taken_back", schedule=e.schedule.name, nominal=iso(f.nominal)
+                )
+            else:
+                self._stands(e, early, f, result)
+        return all(done)
+
+    def _stands(self, e: Entry, early: Early, f: Ready, result: dict[str, Any] | Exception) -> None:
+        """Put a fire that could not be taken back back: it takes effect at its instant."""
+        if not early.released:
+            early.put_back(f, result)
+            return
+        b = Batch(ready=[f], written={f.workflow_id}, results=[result])
+        now = self._clock.now()
+        self._settle(b, self._fires.release(b, now), now)
 
     async def _sync(self) -> None:
         """Load the state of schedules new to this loop; drop the ones no longer wanted."""
@@ -262,6 +465,15 @@ class Schedules:
         now = self._clock.now()
         new = [name for name in wanted if name not in self._entries]
         rows = {r.name: r for r in await self._store.schedules_load(new, now)} if new else {}
+        # A fire committed ahead of its instant for a schedule dropped or changed is taken back.
+        changed = [
+            e
+            for name, e in self._entries.items()
+            if e.early is not None
+            and (name not in wanted or not e.schedule.fires_like(wanted[name]))
+        ]
+        if changed:
+            await self._take_back(changed)
         for name in [n for n in self._entries if n not in wanted]:
             self._fires.drop(self._entries.pop(name))
         for name, s in wanted.items():
@@ -426,6 +638,9 @@ class Schedules:
         e = self._entry(name)
         s = e.schedule
         fires = await self._store.schedule_fires(name)
+        if e.early is not None:  # a fire committed ahead of its instant is not shown before it
+            now = self._clock.now()
+            fires = [f for f in fires if f.at <= now]
         return {
             **await self._summary(e),
             "cron": s.cron,
@@ -478,6 +693,10 @@ class Schedules:
     async def pause(self, name: str) -> dict[str, Any]:
         """Stop firing a schedule (durably) until `resume`."""
         e = self._entry(name)
+        if e.early is not None and not e.paused and await self._take_back([e], paused=name):
+            e.paused = True  # in the transaction that took its early fire back
+            log.info("schedule_paused", schedule=name)
+            return {"name": name, "paused": True}
         async with e.lock:
             if not e.paused:
                 await self._store.schedule_note(name, paused=True)
@@ -500,6 +719,8 @@ class Schedules:
     async def trigger(self, name: str) -> dict[str, Any]:
         """Start the schedule's workflow now, once, whatever its overlap policy or pause."""
         e = self._entry(name)
+        if e.early is not None:  # its fire takes effect first (its instant is under a second off)
+            await e.early.done.wait()
         async with e.lock:
             result = await self._fires.fire(e, None, "manual", [])
         return {"name": name, **result}

@@ -273,6 +273,47 @@ class Gauges(Protocol):
 SleepingState = tuple[str, str, float | None, str]
 
 
+@dataclass(frozen=True, slots=True)
+class ScheduleUndo:
+    """A fire committed early to take back: its workflow, and the schedule's row before it."""
+
+    name: str
+    workflow_id: str
+    last_nominal: float
+    last_workflow_id: str | None
+    last_fire_at: float | None
+
+
+@runtime_checkable
+class EarlyFires(Protocol):
+    """What a store may offer so that a large instant's fires are committed ahead of it."""
+
+    async def schedule_fire_early(
+        self, fires: Sequence[ScheduleFire], not_before: float
+    ) -> builtins.list[bool]:
+        """Do `schedule_fire_many`, the workflows to run from `not_before` on, not before.
+
+        The records, the schedules' `last_fire_at` and the rows' times are stamped
+        max(the commit, `not_before`): when the fire takes effect.
+        """
+        ...
+
+    async def schedule_undo(
+        self, undos: Sequence[ScheduleUndo], *, paused: str | None = None
+    ) -> builtins.list[bool]:
+        """Take back fires committed early and not yet run, in one transaction.
+
+        Each workflow (still Resuming, its history) and fire record goes, and its schedule's
+        row is put back; `paused` is paused in the same transaction. True where taken back
+        (False: it is no longer Resuming, a cancel reached it, and its fire stands).
+        """
+        ...
+
+    async def deferred_starts(self, now: float) -> dict[str, float]:
+        """Return the Resuming workflows not to run before a time after `now`: id -> time."""
+        ...
+
+
 @runtime_checkable
 class Sleepers(Protocol):
     """What a store may offer so that recovery reads its Waiting workflows apart."""

@@ -101,6 +101,11 @@ MIGRATIONS: list[str] = [
     CREATE INDEX workflows_name_updated ON workflows (name, updated_at);
     DROP INDEX workflows_status;
     """,
+    # Schedules (issue 15): a large instant's fires are committed ahead of it; their workflows
+    # run from this time on, not before (the runtime's release and recovery both honour it).
+    """
+    ALTER TABLE workflows ADD COLUMN not_before REAL;  -- epoch seconds: not run before it
+    """,
 ]
 
 

@@ -33,6 +33,7 @@ from daemon.store.base import (
     HistoryRow,
     ScheduleFire,
     ScheduleRow,
+    ScheduleUndo,
     SleepingState,
     WorkflowRow,
 )
@@ -83,14 +84,25 @@ EXISTING = "SELECT id FROM workflows WHERE id IN (SELECT value FROM json_each(?)
 #: `schedule_fire_many`'s statements, each over a JSON array of rows (?1), stamped with ?2.
 #: json_extract returns a number exactly as it was encoded (tested), text unescaped.
 FIRE_WORKFLOWS = (
-    f"INSERT INTO workflows ({schema.COLS}, history_seq) SELECT "
+    f"INSERT INTO workflows ({schema.COLS}, history_seq, not_before) SELECT "
     + ", ".join(
         f"coalesce(json_extract(value, '$[{i}]'), ?2)"
         if i in (8, 9)  # created_at, updated_at: the write's time unless given
         else f"json_extract(value, '$[{i}]')"
         for i in range(13)
     )
-    + " FROM json_each(?1) WHERE true ON CONFLICT (id) DO NOTHING"
+    + ", ?3 FROM json_each(?1) WHERE true ON CONFLICT (id) DO NOTHING"
+)
+#: The Resuming workflows a batch committed ahead of their time, not to run before it.
+DEFERRED = "SELECT id, not_before FROM workflows WHERE status = 'Resuming' AND not_before > ?"
+#: An early fire taken back: only while its workflow has not moved (it never ran).
+UNDO_WORKFLOW = (
+    "DELETE FROM workflows WHERE id = ? AND status = 'Resuming' AND not_before IS NOT NULL"
+)
+UNDO_HISTORY = "DELETE FROM history WHERE workflow_id = ?"
+UNDO_RECORD = "DELETE FROM schedule_fires WHERE schedule = ? AND workflow_id = ?"
+UNDO_SCHEDULE = (
+    "UPDATE schedules SET last_nominal = ?, last_workflow_id = ?, last_fire_at = ? WHERE name = ?"
 )
 FIRE_HISTORY = (
     "INSERT INTO history (workflow_id, seq, at, kind, detail) SELECT json_extract(value, '$[0]'),"
@@ -640,6 +652,49 @@ class SQLiteStore(Reads):
         when the fire was committed. The write goes ahead of the writes waiting (the runs of
         earlier fires must not make these late).
         """
+        return await self._fire_many(fires, None)
+
+    async def schedule_fire_early(
+        self, fires: Sequence[ScheduleFire], not_before: float
+    ) -> builtins.list[bool]:
+        """Do `schedule_fire_many`, the workflows to run from `not_before` on, not before.
+
+        Stamped max(the commit, `not_before`): the records, `last_fire_at` and the rows' times
+        say when the fire takes effect.
+        """
+        return await self._fire_many(fires, not_before)
+
+    async def schedule_undo(
+        self, undos: Sequence[ScheduleUndo], *, paused: str | None = None
+    ) -> builtins.list[bool]:
+        """Take back fires committed early and not yet run, in one transaction (see base)."""
+        undos = builtins.list(undos)
+
+        def apply(conn: sqlite3.Connection) -> builtins.list[bool]:
+            out = []
+            for u in undos:
+                gone = conn.execute(UNDO_WORKFLOW, (u.workflow_id,)).rowcount == 1
+                if gone:
+                    conn.execute(UNDO_HISTORY, (u.workflow_id,))
+                    conn.execute(UNDO_RECORD, (u.name, u.workflow_id))
+                    conn.execute(
+                        UNDO_SCHEDULE, (u.last_nominal, u.last_workflow_id, u.last_fire_at, u.name)
+                    )
+                out.append(gone)
+            if paused is not None:
+                self._advance(conn, paused, {"paused": 1}, ())
+            return out
+
+        done: builtins.list[bool] = await self._writes.submit_first(apply)
+        return done
+
+    async def deferred_starts(self, now: float) -> dict[str, float]:
+        """Return the Resuming workflows not to run before a time after `now`: id -> time."""
+        return dict(await self._read(DEFERRED, (now,)))
+
+    async def _fire_many(
+        self, fires: Sequence[ScheduleFire], not_before: float | None
+    ) -> builtins.list[bool]:
         clock = get_clock()
         fires = builtins.list(fires)
 
@@ -647,7 +702,7 @@ class SQLiteStore(Reads):
             # Each table takes the whole batch in one statement over a JSON array: one step,
             # so the writer thread gives up the GIL (and waits to get it back from a busy
             # loop) once per table, not once per row as `executemany` does.
-            stamp = clock.now()
+            stamp = clock.now() if not_before is None else max(clock.now(), not_before)
             ids = [f.row.id for f in fires]
             taken = {wid for (wid,) in conn.execute(EXISTING, (_encode(ids).decode(),))}
             created = []
@@ -663,7 +718,7 @@ class SQLiteStore(Reads):
                     for f in fresh
                     for r in (f.row,)
                 ]  # fmt: skip
-                conn.execute(FIRE_WORKFLOWS, (_encode(rows).decode(), stamp))
+                conn.execute(FIRE_WORKFLOWS, (_encode(rows).decode(), stamp, not_before))
                 history = [
                     (f.row.id, i + 1, kind, _encode(detail).decode())
                     for f in fresh
