@@ -127,6 +127,8 @@ class Recovery:
         self._not_before: dict[str, float] = {}
         #: Their resumes, one timer per time (a batch shares one), and the ids each resumes.
         self._later: dict[float, list[str]] = {}
+        #: The ids in `_later`: workflows that have not started yet (no event reaches them).
+        self.deferred: set[str] = set()
 
     async def recover(self) -> None:
         """Pick up every unfinished workflow: resume runnable ones, re-arm waiting ones.
@@ -189,12 +191,14 @@ class Recovery:
             delay = max(0.0, at - time.time())
             asyncio.get_running_loop().call_later(delay, self._resume_due, at)
         ids.append(workflow_id)
+        self.deferred.add(workflow_id)
 
     def _resume_due(self, at: float) -> None:
         if time.time() < at:  # the wall clock stepped back meanwhile: still not before it
             asyncio.get_running_loop().call_later(at - time.time(), self._resume_due, at)
             return
         for wid in self._later.pop(at, ()):
+            self.deferred.discard(wid)
             if not self._scheduler.stopping:  # a stop leaves it Resuming, for the next start
                 self._scheduler.submit(wid, Item("resume"))
 

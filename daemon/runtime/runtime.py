@@ -673,6 +673,7 @@ class Runtime:
         unfit = self.scheduler.hold.incompatible.get(workflow_id)
         if unfit is not None:
             raise Conflict(f"workflow {workflow_id} does not fit the running code: {unfit}")
+        self._check_started(workflow_id)
         loaded = await self.cache.load(workflow_id)
         if loaded.state.status in FINAL_STATUSES:
             raise CallbackNotFound(f"workflow {workflow_id} is {loaded.state.status}")
@@ -715,6 +716,8 @@ class Runtime:
         unfit = hold.incompatible.get(workflow_id)
         if unfit is not None:
             raise Conflict(f"workflow {workflow_id} does not fit the running code: {unfit}")
+        if workflow_id in self._early or workflow_id in self.recovery.deferred:
+            self._check_started(workflow_id)  # raises
         loaded = self.cache.touch(workflow_id)
         if loaded is None:
             return None
@@ -727,6 +730,16 @@ class Runtime:
         req = CallbackRequest(workflow_id, thread_id or "", event, pc or 0)
         self.scheduler.submit(workflow_id, Item("callback", req=req, input=input, reply=reply))
         return reply
+
+    def _check_started(self, workflow_id: str) -> None:
+        """Raise WorkflowNotFound for a workflow written ahead of its time, before that time.
+
+        A schedule's large instant is committed early (see `launch_many`); until the instant
+        its workflows do not exist for an event, as if they had not been written yet: an
+        event applied before then would run the workflow before its time.
+        """
+        if workflow_id in self._early or workflow_id in self.recovery.deferred:
+            raise WorkflowNotFound(f"no workflow {workflow_id!r} yet: its schedule starts it later")
 
     async def _row_open(self, workflow_id: str) -> None:
         """Raise unless the stored workflow exists and has not ended (a request for it may wait)."""

@@ -17,7 +17,7 @@ import pytest
 from daemon import Schedule
 from daemon.clock import FakeClock, SystemClock, use_clock
 from daemon.core.schedule import workflow_id
-from daemon.errors import ScheduleNotFound
+from daemon.errors import ScheduleNotFound, WorkflowNotFound
 from daemon.runtime import schedules as schedules_module
 from daemon.runtime.fires import SPACING_S, BatchStart, Entry
 from daemon.runtime.runtime import Runtime
@@ -818,6 +818,34 @@ class TestEarly:
             row = await b.store.get(wid)
             assert row is not None and '"rang":false' in row.data
 
+    async def test_an_event_before_the_instant_finds_no_workflow(self, tmp_path: Path) -> None:
+        """An event for a workflow written ahead of its time, sent before that time, is
+        answered as for a workflow not started (nothing applied, nothing run early); sent
+        after it, it is applied."""
+        s = Schedule("e", "Lingers", every=10, overlap="allow")
+        async with bench(tmp_path / "db", s, early=True) as b:
+            wid = workflow_id("e", AT)
+            await committed_early(b, wid)
+            for wait in (True, False):
+                with pytest.raises(WorkflowNotFound):
+                    await b.rt.send(wid, "finish", "early", wait=wait)
+            assert not b.rt.scheduler.running(wid) and await b.status(wid) == "Resuming"
+            assert await b.store.inbox_pending(wid) == []
+            await b.to(AT)
+
+            async def waiting() -> bool:
+                return await b.status(wid) == "Waiting"
+
+            await eventually(waiting)
+            assert await b.rt.send(wid, "finish", "later") == "finishing"
+
+            async def finished() -> bool:
+                return await b.status(wid) == "Finished"
+
+            await eventually(finished)
+            row = await b.store.get(wid)
+            assert row is not None and '"finished_by":"later"' in row.data
+
     async def test_a_lone_schedule_keeps_lead_zero(self, tmp_path: Path) -> None:
         """At its default threshold, small instants keep today's path (lead 0)."""
         async with bench(tmp_path / "db", Schedule("one", "Chime", every=10), early=True) as b:
@@ -851,6 +879,10 @@ class TestEarlyRecovery:
             async with Runtime.open(store, REGISTRY) as rt:  # it recovers as it opens
                 assert not rt.scheduler.running(wid) and time.time() < t0 + 1
                 assert await rt.status_of(wid) == "Resuming"
+                # No await between the look and the send's own: the instant cannot pass.
+                assert wid in rt.recovery.deferred
+                with pytest.raises(WorkflowNotFound):
+                    await rt.send(wid, "ring")
 
                 async def finished() -> bool:
                     return await rt.status_of(wid) == "Finished"
