@@ -574,18 +574,9 @@ class Schedules:
                 e.lock.release()
                 e.busy = False
             raise
-        errors = {id(e): error for e, error in failed}
-        now = self._clock.now()
         for e in entries:
             e.lock.release()
-            e.busy = False
-            error = errors.get(id(e))
-            if error is not None:
-                self._failed(e, error)
-                continue
-            e.failures = 0
-            # Put back for when it is due next (planned again then, as it is popped).
-            self._push(e, now if e.release_due else e.next_due(now, self._fires.spacing_s))
+        self._settle(batch, failed, self._clock.now())
 
     async def _worker(self) -> None:
         while True:
