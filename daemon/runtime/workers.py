@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from daemon.observe.threads import name_os_thread
+from daemon.wake import LoopBell
 
 T = TypeVar("T")
 #: How long a job must have run before its thread counts as blocked, and another is woken for
@@ -42,18 +43,24 @@ class _Completions:
         self.loop = loop
         self._finished: deque[tuple[asyncio.Future[Any], bool, Any]] = deque()
         self._wake_pending = False
+        # Rung from the worker thread holding the GIL (see LoopBell): the loop's wake costs
+        # the worker no hand-off of the GIL before it takes its next job or sleeps.
+        self._wake = LoopBell(loop, self._deliver)
 
     def put(self, future: asyncio.Future[Any], ok: bool, value: Any) -> None:
         """Queue a result (from a worker thread); wake the loop unless a wake-up is on its way."""
         self._finished.append((future, ok, value))
         if not self._wake_pending:
             self._wake_pending = True
-            try:
-                self.loop.call_soon_threadsafe(self._deliver)
-            except RuntimeError:  # the loop is closed: nobody awaits these any more
+            if self.loop.is_closed() or not self._wake.ring():  # nobody awaits these any more
                 self._finished.clear()
 
+    def close(self) -> None:
+        """Close the pipe of a loop that is closed (results for it are dropped from now on)."""
+        self._wake.close()
+
     def _deliver(self) -> None:
+        self._wake.clear()
         # Reset first: a result queued while this runs schedules its own (maybe empty) round.
         self._wake_pending = False
         while self._finished:
@@ -113,7 +120,8 @@ class Workers:
         loop = asyncio.get_running_loop()
         done = self._completions.get(loop)
         if done is None:
-            self._completions = {lp: c for lp, c in self._completions.items() if not lp.is_closed()}
+            for closed in [lp for lp in self._completions if lp.is_closed()]:
+                self._completions.pop(closed).close()
             done = self._completions[loop] = _Completions(loop)
         job = Job(fn, contextvars.copy_context(), loop.create_future(), done)
         with self._lock:

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import errno
-import os
 import sqlite3
 import threading
 import time
@@ -21,6 +18,7 @@ import structlog
 from daemon.errors import Unavailable
 from daemon.observe.metrics import Metrics
 from daemon.observe.threads import name_os_thread
+from daemon.wake import LoopBell
 
 log = structlog.get_logger(__name__)
 #: A write: runs on the writer's connection inside the batch's transaction.
@@ -30,27 +28,6 @@ Apply = Callable[[sqlite3.Connection], Any]
 ApplyMany = Callable[[sqlite3.Connection, list[Any]], list[Any]]
 #: How long the thread waits before serving again after a crash, at most.
 CRASH_BACKOFF_MAX_S = 1.0
-
-
-def _write_holding_the_gil() -> Callable[[int, bytes, int], int] | None:
-    """Return libc's write(2) called without releasing the GIL, or None where there is none.
-
-    os.write releases the GIL around the call: the loop it wakes takes the GIL at once and
-    the writer thread then waits for the loop's whole turn to get it back, for the few
-    lines it has left before it sleeps (two hand-offs of the GIL per batch, not one). A
-    one-byte write to a non-blocking pipe never blocks, so it may hold the GIL.
-    """
-    try:
-        fn = ctypes.PyDLL(None, use_errno=True).write
-    except (OSError, AttributeError):  # no libc to load (not Linux or macOS)
-        return None
-    fn.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t)
-    fn.restype = ctypes.c_ssize_t
-    written: Callable[[int, bytes, int], int] = fn
-    return written
-
-
-_raw_write = _write_holding_the_gil()
 
 
 @dataclass(slots=True)
@@ -246,10 +223,8 @@ class GroupWriter:
         self._posts_lock = threading.Lock()
         self._posts: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
         self._posts_due = False  # a _run_posts is on its way to the loop
-        # The thread wakes the loop with one byte on a pipe of its own, which the loop watches
-        # (add_reader): one C call in the thread, where call_soon_threadsafe is eight Python
-        # calls, a Handle and a context copy, plus the loop's own self-pipe reader.
-        self._wake_r = self._wake_w = -1
+        # The thread wakes the loop with one byte on a pipe of its own (see LoopBell).
+        self._wake: LoopBell | None = None
 
     @property
     def closed(self) -> bool:
@@ -260,10 +235,7 @@ class GroupWriter:
         """Start the writer thread, which posts its results to the running event loop."""
         self._loop = asyncio.get_running_loop()
         self._stopped = self._loop.create_future()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._loop.add_reader(self._wake_r, self._run_posts)
+        self._wake = LoopBell(self._loop, self._run_posts)
         self._thread = threading.Thread(target=self._main, name="workflowd-writer", daemon=True)
         self._thread.start()
 
@@ -380,11 +352,8 @@ class GroupWriter:
         finally:
             with contextlib.suppress(sqlite3.Error):
                 self._conn.close()
-            if not self._post(self._ended):  # the loop is gone: nobody else closes the pipe
-                for fd in (self._wake_r, self._wake_w):
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
-                self._wake_r = self._wake_w = -1
+            if not self._post(self._ended) and self._wake is not None:
+                self._wake.close()  # the loop is gone: nobody else closes the pipe
 
     def _serve(self) -> None:
         """Commit batches until closed and drained."""
@@ -448,20 +417,12 @@ class GroupWriter:
             self._posts_due = True
         if loop.is_closed():  # nobody awaits these any more
             return False
-        if _raw_write is None:
-            try:
-                os.write(self._wake_w, b"\0")  # at most one byte unread: it never fills
-            except OSError:  # closed by _ended: the loop took its last post
-                return False
-        elif _raw_write(self._wake_w, b"\0", 1) < 0 and ctypes.get_errno() != errno.EAGAIN:
-            return False  # closed by _ended: the loop took its last post
-        return True
+        assert self._wake is not None
+        return self._wake.ring()  # False once closed by _ended: it took the last post
 
     def _run_posts(self) -> None:
-        try:  # noqa: SIM105 - contextlib.suppress costs three calls per wake-up
-            os.read(self._wake_r, 64)  # before taking the posts: a later one writes again
-        except BlockingIOError:  # a wake-up already read, its posts taken with the last ones
-            pass
+        assert self._wake is not None
+        self._wake.clear()  # before taking the posts: a later one rings again
         with self._posts_lock:
             posts, self._posts = self._posts, []
             self._posts_due = False
@@ -516,11 +477,7 @@ class GroupWriter:
                 w.error = Unavailable("the store closed before this write was committed")
                 w.set_result(None)
         self._current = []
-        if self._wake_r >= 0:  # the thread has posted its last: the pipe is done with
-            assert self._loop is not None
-            self._loop.remove_reader(self._wake_r)
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-            self._wake_r = self._wake_w = -1
+        if self._wake is not None:  # the thread has posted its last: the pipe is done
+            self._wake.close()
         if self._stopped is not None and not self._stopped.done():
             self._stopped.set_result(None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import os
 import threading
 from typing import Any
 
@@ -99,6 +100,24 @@ class TestWorkers:
                 await workers.run(lambda: release.wait(10))
             release.set()
             assert await workers.run(lambda: 7) == 7
+        finally:
+            workers.close()
+
+    def test_loops_that_closed_leave_no_descriptors_behind(self) -> None:
+        """Each loop gets a wake-up pipe; it is closed once that loop has closed."""
+        workers = Workers()
+
+        async def one() -> int:
+            result: int = await workers.run(lambda: 7)
+            return result
+
+        try:
+            assert asyncio.run(one()) == 7
+            before = len(os.listdir("/proc/self/fd"))
+            for _ in range(20):
+                assert asyncio.run(one()) == 7
+            # The last loop's pipe is closed only when a next loop comes: at most its two.
+            assert len(os.listdir("/proc/self/fd")) <= before
         finally:
             workers.close()
 
