@@ -73,7 +73,7 @@ class LoopBell:
         """Take the rings read so far (on the loop, in `on_ring`)."""
         try:  # noqa: SIM105 - contextlib.suppress costs three calls per wake-up
             os.read(self._r, 64)
-        except (BlockingIOError, OSError):  # read already, with the last batch; or closed
+        except OSError:  # BlockingIOError: read already, with the last batch; EBADF: closed
             pass
 
     def close(self) -> None:
