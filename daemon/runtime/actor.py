@@ -674,10 +674,11 @@ class Actor:
                     self.metrics.callback("applied")
                 return
             # One commit for the callback and the resume it starts: its checkpoint is queued,
-            # not awaited, and the resume's checkpoints merge into that write while it waits
-            # for the writer. The sender is answered once that write is durable (`_durable`),
-            # so a step the resume starts never holds the answer back: it runs while the
-            # write commits. If the write fails, `_back_off` answers `unavailable`.
+            # not awaited, and issued by the resume's first checkpoint (a step starting: the
+            # step then runs while it commits) or merged into the save that settles the
+            # resume, written in this task (no task per callback for the write). The sender
+            # is answered once that write is durable (`_durable`), so a step the resume
+            # starts never holds the answer back. If it fails, `_back_off` answers it.
             if item.reply is not None:
                 # The answer as it is now: the resume runs before it is sent, and a handler
                 # may answer with part of the data (a list a step then appends to).
@@ -686,10 +687,10 @@ class Actor:
                     self._unsaved.append(item)
             elif self.metrics is not None:
                 self.metrics.callback("applied")
-            if self._pipeline.queue(self._take(loaded, data)):
+            if self._pipeline.queue(self._take(loaded, data), defer=True):
                 await self._pipeline.room_taken()
-            # Logged once the write is queued: the log thread this wakes then renders while
-            # the writer commits, instead of holding the GIL before the write is handed over.
+            # Logged once the save is taken: the log thread this wakes renders while the
+            # resume runs and the writer commits.
             _log_received(event, item.req)
             return
         _log_received(event, item.req)

@@ -140,6 +140,8 @@ class Pipeline:
         self._queued: Save | None = None
         #: What is queued is held back (see `queue`): issued when its hold is over.
         self._held = False
+        #: What is queued waits for the next checkpoint or commit to issue it (see `queue`).
+        self._deferred = False
         #: The loop's holds this pipeline's hold is in (while `_held`).
         self._holds: _Holds | None = None
         # A bare task, not one of a task group's: it lives no longer than one write queue
@@ -195,7 +197,7 @@ class Pipeline:
         if self.queue(save):
             await self.room_taken()
 
-    def queue(self, save: Save, *, hold: bool = False) -> bool:
+    def queue(self, save: Save, *, hold: bool = False, defer: bool = False) -> bool:
         """Queue a checkpoint as `put` does; True: the caller must `await room_taken()` next.
 
         A plain call: `put` without a coroutine of its own, for the actor's common case.
@@ -203,6 +205,10 @@ class Pipeline:
         flight, its write is issued HOLD_S later (or at the next `flush`, `settle`, or a
         checkpoint not held), so that a quick step's checkpoint, or the save after it,
         merges into it. A step that takes longer still runs while the write commits.
+        `defer`: the caller takes the next checkpoint, or commits, before it awaits anything
+        (a callback's save, then the resume it starts): that one issues this write, merged,
+        with no timer and no task of its own. A held checkpoint issues it at once rather
+        than holding it, since a deferred write may have a sender waiting for it.
         """
         if self._error is not None:
             raise self._error
@@ -212,7 +218,10 @@ class Pipeline:
         else:
             queued.merge(save)
         if self._task is None and not self._inline:
-            if hold and queued.count < self._ahead:
+            if defer and queued.count < self._ahead:
+                self._deferred = True
+                return False
+            if hold and queued.count < self._ahead and not self._deferred:
                 if not self._held:
                     self._held = True
                     loop = asyncio.get_running_loop()
@@ -232,6 +241,7 @@ class Pipeline:
 
     def _unhold(self) -> None:
         """End the hold of what is queued, if it is held (its write is issued or taken now)."""
+        self._deferred = False
         if self._held:
             self._held = False
             holds, self._holds = self._holds, None
@@ -254,7 +264,7 @@ class Pipeline:
 
     async def flush(self) -> None:
         """Wait until every queued checkpoint is durable; raise the error of one that failed."""
-        if self._held:
+        if self._held or self._deferred:
             self._issue()
         while self._task is not None:
             # Not the task itself: a cancelled caller stops waiting, the write goes on.
@@ -305,7 +315,7 @@ class Pipeline:
 
         A write held back (see `queue`) is issued first: it is as good as in flight.
         """
-        if self._held:
+        if self._held or self._deferred:
             self._issue()
         if self._task is None:
             return  # nothing in flight: no shielded scope to make (once per actor)
@@ -317,6 +327,7 @@ class Pipeline:
         """Forget a failure and return the inbox events of the writes it lost, in order."""
         lost = [*self._lost, *([self._queued] if self._queued is not None else [])]
         self._lost, self._queued, self._error = [], None, None
+        self._unhold()
         return [item for save in lost for item in save.items]
 
     async def _drain(self) -> None:

@@ -214,6 +214,8 @@ class GroupWriter:
         self._queue: deque[_Write] = deque()
         self._first = 0  # writes at the head of the queue put there by `submit_first`
         self._idle = False  # the thread waits on the bell: only then does a write ring it
+        #: A checkpoint found the thread idle this loop turn: it is rung once the turn is over.
+        self._ring_due = False
         self._closing = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -281,13 +283,23 @@ class GroupWriter:
         # _put, inline: this is every checkpoint's way in.
         if self._closing:
             raise Unavailable("the store is closed")
-        w = _Write(loop=self._loop or asyncio.get_running_loop())
+        loop = self._loop or asyncio.get_running_loop()
+        w = _Write(loop=loop)
         w.apply, w.many, w.item, w.alone, w.value, w.error = None, many, item, False, None, None
         with self._lock:
             self._queue.append(w)
-            if self._idle:
-                self._ring()
+            if self._idle and not self._ring_due:
+                # Rung after the other actors ready in this turn have put theirs: woken at
+                # once, the thread would commit the first alone and contend for the GIL
+                # while the loop makes the rest (more commits, each costing the loop a wake).
+                self._ring_due = True
+                loop.call_soon(self._ring_soon)
         return w
+
+    def _ring_soon(self) -> None:
+        with self._lock:
+            self._ring_due = False
+            self._ring()
 
     async def call(self, fn: Apply) -> Any:
         """Run `fn` on the writer's connection between batches, outside any transaction."""

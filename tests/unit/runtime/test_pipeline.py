@@ -245,6 +245,42 @@ class TestCommit:
         await anyio.sleep(0.01)  # past the hold: its timer finds nothing left to issue
         assert writes.written == [("2", 2, [1, 2])] and p.idle
 
+    async def test_a_deferred_checkpoint_is_written_by_the_commit_in_its_task(self) -> None:
+        """A deferred checkpoint starts no write; the commit after it writes both, in its task."""
+        tasks: list[asyncio.Task[Any] | None] = []
+        written: list[tuple[str, int]] = []
+
+        async def write(s: Save) -> None:
+            tasks.append(asyncio.current_task())
+            written.append((s.data, s.count))
+
+        p = Pipeline(write)
+        assert not p.queue(save(1), defer=True)
+        for _ in range(3):
+            await anyio.lowlevel.checkpoint()
+        assert written == [] and not p.idle
+        await p.commit(save(2))
+        assert written == [("2", 2)] and tasks == [asyncio.current_task()] and p.clean
+
+    async def test_a_deferred_checkpoint_is_not_held_by_the_next_one(self) -> None:
+        """A step starting after a deferred checkpoint issues it: its sender is not held back."""
+        writes = Writes()
+        p = Pipeline(writes, hold_s=3600)  # a hold would outlast this test
+        p.queue(save(1), defer=True)
+        p.queue(save(2), hold=True)
+        await until(lambda: writes.written == [("2", 2, [1, 2])])
+        holds = _HOLDS.get(asyncio.get_running_loop())
+        assert p.idle and (holds is None or holds._timer is None)
+
+    @pytest.mark.parametrize("how", ["flush", "settle"])
+    async def test_flush_and_settle_write_a_deferred_checkpoint(self, how: str) -> None:
+        """Whoever waits for what is queued (an error's back-off, shutdown) gets it written."""
+        writes = Writes()
+        p = Pipeline(writes)
+        p.queue(save(1), defer=True)
+        await getattr(p, how)()
+        assert writes.written == [("1", 1, [1])] and p.idle
+
     async def test_behind_a_write_in_flight_it_waits_for_both_in_order(self) -> None:
         """A write in flight is committed first; then the commit's own."""
         writes = Writes()

@@ -173,6 +173,24 @@ class TestThread:
             assert many == [("executemany", "DELETE FROM t WHERE k = ?")]
         assert committed(tmp_path / "w.db") == 0
 
+    async def test_checkpoints_put_in_one_loop_turn_wake_the_thread_once(
+        self, tmp_path: Path
+    ) -> None:
+        """The idle thread is rung once the turn that put them is over: one batch, one commit."""
+        drop = statement("DELETE FROM t WHERE k = ?")
+        async with writer(tmp_path / "w.db") as (w, conn):
+            await until(lambda: w._idle, CEILING_S)
+            wakes, conn.calls[:] = w.stats.wakes, []
+            puts = [w.put_many(drop, [(k,)]) for k in range(20)]
+            time.sleep(0.05)  # noqa: ASYNC251 - a turn that goes on while the thread could run
+            assert conn.calls == [] and w.stats.wakes == wakes
+            for put in puts:
+                await put
+            assert w.stats.wakes == wakes + 1
+            assert [c for c in conn.calls if c[0] == "executemany"] == [
+                ("executemany", "DELETE FROM t WHERE k = ?")
+            ]
+
     async def test_a_crash_is_reported_and_the_writer_goes_on(self, tmp_path: Path) -> None:
         """A write that kills its batch (a BaseException) fails with Unavailable, logged; the
         thread serves the next write."""
