@@ -18,7 +18,7 @@ import structlog
 from daemon import CallbackRequest
 from daemon.clock import SystemClock
 from daemon.observe.metrics import Metrics
-from daemon.runtime.arming import FIRE_BATCH, Arms, Key
+from daemon.runtime.arming import FIRE_BATCH, GRID_S, Arms, Key
 from tests.helpers.wait import until
 
 
@@ -53,6 +53,36 @@ class TestFlat:
             assert [r.workflow_id for r, _ in fired] == [k[0] for k in keys[::-1] if k != keys[3]]
             assert all(got["fired_at"] >= got["deadline"] for _, got in fired)
             assert len(arms) == 0 and arms.armed(keys[0][0]) == set()
+            tg.cancel_scope.cancel()
+
+    async def test_timers_due_within_one_grid_step_fire_in_one_wake(self) -> None:
+        """Deadlines in one step of the grid fire together at its end: never early, one wake."""
+        fired: list[tuple[str, float]] = []
+        async with anyio.create_task_group() as tg:
+            arms = Arms(
+                tg,
+                SystemClock(),
+                _no_submit,
+                lambda r, e: None,
+                fire=lambda r, i: fired.append((r.workflow_id, i["fired_at"])),
+            )
+            wakes = [0]
+            fire_batch = arms._fire_batch
+
+            def counted(now: float) -> bool:
+                wakes[0] += 1
+                return fire_batch(now)
+
+            arms._fire_batch = counted  # type: ignore[method-assign]
+            tg.start_soon(arms.run_timers)
+            await anyio.lowlevel.checkpoint()
+            # Three deadlines spread over the first half of one step, well ahead of now.
+            step = (int(time.time() / GRID_S) + 50) * GRID_S
+            deadlines = {f"g{i}": step + GRID_S * (0.1 + 0.2 * i) for i in range(3)}
+            arms.arm_timers(((k, "_main_", "t", 1), d) for k, d in deadlines.items())
+            await until(lambda: len(fired) == 3)
+            assert wakes[0] == 1, fired
+            assert all(at >= step + GRID_S - 1e-6 and at >= deadlines[k] for k, at in fired)
             tg.cancel_scope.cancel()
 
     async def test_an_earlier_timer_moves_the_wake_forward(self) -> None:
