@@ -14,16 +14,22 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import structlog
+from anyio.abc import TaskGroup
 
 from daemon import CallbackRequest
 from daemon.clock import SystemClock
 from daemon.observe.metrics import Metrics
-from daemon.runtime.arming import FIRE_BATCH, GRID_S, Arms, Key
+from daemon.runtime.arming import FIRE_BATCH, GRID_S, Arms, Fire, Key
 from tests.helpers.wait import until
 
 
 async def _no_submit(req: CallbackRequest, input: Any, wait: bool) -> None:
     raise AssertionError(f"no listener here, yet {req} was submitted")
+
+
+def _flat(tg: TaskGroup, fire: Fire, metrics: Metrics | None = None) -> Arms:
+    """Return Arms on the system clock (the flat path) that hand every fired timer to `fire`."""
+    return Arms(tg, SystemClock(), _no_submit, lambda r, e: None, metrics, fire=fire)
 
 
 def _keys(n: int, prefix: str = "w") -> list[Key]:
@@ -37,13 +43,7 @@ class TestFlat:
         """Timers armed in any order fire in deadline order, each once, none before its time."""
         fired: list[tuple[CallbackRequest, Any]] = []
         async with anyio.create_task_group() as tg:
-            arms = Arms(
-                tg,
-                SystemClock(),
-                _no_submit,
-                lambda r, e: None,
-                fire=lambda r, i: fired.append((r, i)),
-            )
+            arms = _flat(tg, lambda r, i: fired.append((r, i)))
             tg.start_soon(arms.run_timers)
             now = time.time()
             keys = _keys(20)
@@ -59,13 +59,7 @@ class TestFlat:
         """Deadlines in one step of the grid fire together at its end: never early, one wake."""
         fired: list[tuple[str, float]] = []
         async with anyio.create_task_group() as tg:
-            arms = Arms(
-                tg,
-                SystemClock(),
-                _no_submit,
-                lambda r, e: None,
-                fire=lambda r, i: fired.append((r.workflow_id, i["fired_at"])),
-            )
+            arms = _flat(tg, lambda r, i: fired.append((r.workflow_id, i["fired_at"])))
             wakes = [0]
             fire_batch = arms._fire_batch
 
@@ -89,13 +83,7 @@ class TestFlat:
         """A timer armed while the callback waits for a later one fires first, at its time."""
         fired: list[str] = []
         async with anyio.create_task_group() as tg:
-            arms = Arms(
-                tg,
-                SystemClock(),
-                _no_submit,
-                lambda r, e: None,
-                fire=lambda r, i: fired.append(r.workflow_id),
-            )
+            arms = _flat(tg, lambda r, i: fired.append(r.workflow_id))
             tg.start_soon(arms.run_timers)
             await anyio.lowlevel.checkpoint()
             arms.arm_timer(("late", "_main_", "t", 1), time.time() + 3600)
@@ -108,13 +96,7 @@ class TestFlat:
         """Thousands due at once go FIRE_BATCH at a time, other tasks running in between."""
         n, fired, seen = 2000, list[str](), list[int]()
         async with anyio.create_task_group() as tg:
-            arms = Arms(
-                tg,
-                SystemClock(),
-                _no_submit,
-                lambda r, e: None,
-                fire=lambda r, i: fired.append(r.workflow_id),
-            )
+            arms = _flat(tg, lambda r, i: fired.append(r.workflow_id))
             now = time.time()
             arms.arm_timers((k, now - 1 + i / n) for i, k in enumerate(_keys(n)))
 
@@ -135,14 +117,7 @@ class TestFlat:
         """Every fired timer is one observation of workflowd_timer_lateness_seconds."""
         metrics, fired = Metrics(), list[str]()
         async with anyio.create_task_group() as tg:
-            arms = Arms(
-                tg,
-                SystemClock(),
-                _no_submit,
-                lambda r, e: None,
-                metrics,
-                fire=lambda r, i: fired.append(r.workflow_id),
-            )
+            arms = _flat(tg, lambda r, i: fired.append(r.workflow_id), metrics)
             tg.start_soon(arms.run_timers)
             arms.arm_timers((k, time.time() - 1) for k in _keys(FIRE_BATCH + 5))
             await until(lambda: len(fired) == FIRE_BATCH + 5)
@@ -161,7 +136,7 @@ class TestFlat:
 
         with structlog.testing.capture_logs() as logs:
             async with anyio.create_task_group() as tg:
-                arms = Arms(tg, SystemClock(), _no_submit, lambda r, e: None, fire=fire)
+                arms = _flat(tg, fire)
                 tg.start_soon(arms.run_timers)
                 deadline = time.time() + 0.01
                 arms.arm_timer(("w", "_main_", "t", 1), deadline)
@@ -182,13 +157,7 @@ class TestFlat:
         """Cancelled, the loop callback is gone: a due timer armed afterwards stays armed."""
         fired: list[str] = []
         async with anyio.create_task_group() as tg:
-            arms = Arms(
-                tg,
-                SystemClock(),
-                _no_submit,
-                lambda r, e: None,
-                fire=lambda r, i: fired.append(r.workflow_id),
-            )
+            arms = _flat(tg, lambda r, i: fired.append(r.workflow_id))
             tg.start_soon(arms.run_timers)
             arms.arm_timer(("a", "_main_", "t", 1), time.time() + 0.05)
             await anyio.lowlevel.checkpoint()
