@@ -11,6 +11,7 @@ from tests.benchmarks import (
     bench_control,
     bench_dbos,
     bench_fanout,
+    bench_floor,
     bench_log,
     bench_metrics,
     bench_postgres,
@@ -37,6 +38,7 @@ class TestRegistry:
     def test_registered(self) -> None:
         """Each daemon benchmark has an entry in the runner's registry."""
         daemon_benches = {"bench_runtime", "bench_control", "bench_timers", "bench_schedules"}
+        assert "bench_floor" in BENCHMARKS
         assert daemon_benches <= set(BENCHMARKS)
 
 
@@ -273,3 +275,18 @@ class TestDbosBench:
         )
         dbos = {f"dbos_{s}_{m}" for s in self.SHAPES for m in ("steps_per_s", "cpu_per_step_us")}
         _check("bench_dbos", figures, self._metrics() | dbos)
+
+
+class TestFloorBench:
+    """bench_floor at a tiny size."""
+
+    async def test_figures(self, tmp_path: Path) -> None:
+        """It reports the bare and the pool's hand-off, and the bare server's round trips."""
+        figures = await bench_floor.run(tmp_path, handoffs=20, rounds={1: 5, 2: 3})
+        socket = {
+            f"socket_bare_server_{k}_{c}_clients_{u}"
+            for c in (1, 2)
+            for k, u in (("cpu_per_round_trip", "us"), ("ceiling", "per_s"))
+        }
+        handoffs = {"handoff_bare_loop_cpu_us", "handoff_workers_loop_cpu_us"}
+        _check("bench_floor", figures, handoffs | socket)

@@ -28,6 +28,7 @@ BENCHMARKS: list[str] = [
     "bench_control",
     "bench_control:control_layer",
     "bench_timers",
+    "bench_floor",
     "bench_schedules",
     "bench_postgres",
     "bench_torture",
