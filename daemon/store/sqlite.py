@@ -38,6 +38,7 @@ from daemon.store.base import (
     WorkflowRow,
 )
 from daemon.store.reads import Dialect, Reads
+from daemon.store.room import DiskRoom
 from daemon.store.schema import FINAL, Entries
 from daemon.store.walcheck import (
     AUTOCHECKPOINT_PAGES,
@@ -197,6 +198,7 @@ class SQLiteStore(Reads):
             ring_every=RING_EVERY,
             writes_per_commit=WRITES_PER_COMMIT,
             one_statement=(self._flat,),
+            refusal=None if checkpointer is None else DiskRoom(path, checkpointer.truncate).refusal,
         )
         self.checkpointer = checkpointer
         self.stats = self._writes.stats

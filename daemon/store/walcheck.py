@@ -27,7 +27,9 @@ class WalCheckpointer:
     With SQLite's automatic checkpoint, the commit that crosses 1,000 WAL pages copies them
     all into the database (and syncs the file) before its writes are acknowledged, so one
     acknowledgement in ~100 waited for it. A PASSIVE checkpoint blocks neither the writer
-    nor the readers; the writer only releases a lock, and rings merge while one runs.
+    nor the readers; the writer only releases a lock, and rings merge while one runs. When
+    the disk runs out of room (see daemon.store.room) the next one is a TRUNCATE checkpoint,
+    which waits for the readers and the writer and then empties the WAL file.
     """
 
     def __init__(self, conn: sqlite3.Connection) -> None:
@@ -35,6 +37,7 @@ class WalCheckpointer:
         self._bell = threading.Lock()
         self._bell.acquire()
         self._closing = False
+        self._truncate_due = False
         self.checkpoints = 0  #: checkpoints run (the tests and benchmarks read it)
         self.failures = 0  #: checkpoints that raised (the next ring tries again)
         self._thread = threading.Thread(target=self._run, name="workflowd-walcheck", daemon=True)
@@ -47,6 +50,11 @@ class WalCheckpointer:
         """Ask for a checkpoint (any thread, never blocks); rings before it runs merge."""
         with contextlib.suppress(RuntimeError):  # rung already, not yet taken
             self._bell.release()
+
+    def truncate(self) -> None:
+        """Ask for a TRUNCATE checkpoint, which gives the WAL file's room back once it is done."""
+        self._truncate_due = True
+        self.ring()
 
     def close(self) -> None:
         """Stop the thread (after the checkpoint it may be running) and close its connection."""
@@ -64,8 +72,11 @@ class WalCheckpointer:
                 self._bell.acquire()
                 if self._closing:
                     return
+                mode, self._truncate_due = "TRUNCATE" if self._truncate_due else "PASSIVE", False
                 try:
-                    self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                    # A TRUNCATE kept from finishing by a reader returns busy, not an error:
+                    # the writer asks again at its next refused batch.
+                    self._conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchall()
                     self.checkpoints += 1
                 except sqlite3.Error as e:  # the writer's own checkpoint bounds the WAL meanwhile
                     self.failures += 1

@@ -191,8 +191,12 @@ class GroupWriter:
         ring_every: int = 64,
         writes_per_commit: int = 32,
         one_statement: tuple[ApplyMany, ...] = (),
+        refusal: Callable[[], BaseException | None] | None = None,
     ) -> None:
         self.stats = StoreStats()
+        # Asked before each batch (on the thread): an error fails the whole batch with it,
+        # and no transaction begins (a disk too full to write: see daemon.store.room).
+        self._refusal = refusal
         # Asks for a WAL checkpoint off the commit path (WalCheckpointer.ring) every
         # `ring_every` commits, a batch of n writes counting 1 + n // writes_per_commit.
         self._checkpoint = checkpoint
@@ -397,7 +401,12 @@ class GroupWriter:
                 posted = self._post(self._finished, batch)
             else:
                 began = time.perf_counter()
-                if len(batch) == 1 and batch[0].many in self._one_statement:
+                refused = self._refusal() if self._refusal is not None else None
+                if refused is not None:
+                    for w in batch:
+                        w.error = refused
+                    commits, failed, split = 0, len(batch), False
+                elif len(batch) == 1 and batch[0].many in self._one_statement:
                     commits, failed, split = _commit_alone(conn, batch[0])
                 else:
                     commits, failed, split = _commit_batch(conn, batch)

@@ -215,3 +215,44 @@ class TestDiskFullTorture:
         assert report.daemon_exits == 0 and report.refused_but_applied == 0
         assert report.fills == 6 and report.checkpoint_failures > 0  # the disk was really full
         assert report.acked_no_wait > 0 and report.refused_sends > 0
+
+
+class TestWalTakesTheDisk:
+    """A WAL that a long read kept from starting over never takes the disk's last room."""
+
+    async def test_writes_resume_once_the_reader_lets_go(self, tmp_path: Path) -> None:
+        """Writes stop short of a full disk; once the read ends, the WAL is checkpointed."""
+        async with small_disk(tmp_path / "disk") as disk:
+            db = disk / "wd.db"
+            store = {"path": str(db)}
+            async with (
+                running_daemon(tmp_path, ["tests.workflows.callbacks"], store=store) as d,
+                d.client() as c,
+            ):
+                await c.call("start", workflow="BumpCounter", workflow_id="kept")
+                # Another program's read transaction: no checkpoint gets past its snapshot, so
+                # the WAL grows with every commit instead of starting over.
+                reader = sqlite3.connect(db, isolation_level=None)
+                try:
+                    reader.execute("BEGIN")
+                    reader.execute("SELECT COUNT(*) FROM workflows").fetchone()
+                    refused = await self._start_until_refused(c)
+                finally:
+                    reader.close()
+                assert "full" in refused["error"]["message"], refused
+
+                async def bumped() -> bool:
+                    answer = await c.request("send", workflow_id="kept", event="bump", input=1)
+                    return bool(answer["ok"])
+
+                await eventually(bumped, limit_s=30)
+                assert (disk / "wd.db-wal").stat().st_size < 8 << 20  # its room given back
+
+    @staticmethod
+    async def _start_until_refused(c: Client) -> dict[str, Any]:
+        """Start workflows (new pages: a checkpoint must grow the file) until one is refused."""
+        for n in range(20_000):
+            answer = await c.request("start", workflow="BumpCounter", workflow_id=f"w{n:05d}")
+            if not answer["ok"]:
+                return answer
+        raise AssertionError("20,000 workflows started on a 16 MB disk")

@@ -98,6 +98,19 @@ class TestRings:
         await anyio.to_thread.run_sync(ck.close)
         assert not checkpointer_threads()
 
+    async def test_truncate_empties_the_wal_file(self, tmp_path: Path) -> None:
+        """A TRUNCATE checkpoint copies the WAL into the file and gives its room back."""
+        wal = tmp_path / "w.db-wal"
+        ck = WalCheckpointer(connect(tmp_path / "w.db"))  # open: the WAL outlives the writer
+        ck.start()
+        try:
+            await w_commits(tmp_path / "w.db", 3)
+            assert wal.stat().st_size > 0
+            ck.truncate()
+            await until(lambda: ck.checkpoints >= 1 and wal.stat().st_size == 0)
+        finally:
+            await anyio.to_thread.run_sync(ck.close)
+
     async def test_close_before_start_closes_the_connection(self, tmp_path: Path) -> None:
         """A checkpointer that never ran still closes its connection."""
         conn = connect(tmp_path / "w.db")

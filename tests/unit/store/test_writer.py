@@ -235,6 +235,24 @@ class TestThread:
                 await w.submit(insert(0))
         assert committed(db) == 40
 
+    async def test_a_refused_batch_fails_whole_and_begins_nothing(self, tmp_path: Path) -> None:
+        """A refusal fails every write of the batch with it; later batches are asked again."""
+        refusals: list[Exception | None] = [sqlite3.OperationalError("full"), None]
+        conn = connect(tmp_path / "w.db")
+        w = GroupWriter(conn, refusal=lambda: refusals.pop(0))
+        w.start()
+        try:
+            outcomes = await asyncio.gather(
+                w.submit(insert(1)), w.submit(insert(2)), return_exceptions=True
+            )
+            assert [str(o) for o in outcomes] == ["full", "full"]
+            assert not any(call[1].startswith("BEGIN") for call in conn.calls)
+            await w.submit(insert(3))
+        finally:
+            await w.close()
+        assert committed(tmp_path / "w.db") == 1
+        assert (w.stats.commits, w.stats.writes) == (1, 1)
+
     async def test_call_runs_outside_a_transaction(self, tmp_path: Path) -> None:
         """call() runs alone, between batches, with no transaction open."""
         async with writer(tmp_path / "w.db") as (w, _):
