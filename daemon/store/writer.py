@@ -117,9 +117,7 @@ def _commit_batch(conn: sqlite3.Connection, batch: list[_Write]) -> tuple[int, i
     try:
         conn.execute("BEGIN IMMEDIATE")
     except Exception as e:  # noqa: BLE001 - busy or broken: no request to blame, none retried
-        for w in batch:
-            w.error = e
-        return 0, len(batch), False
+        return _fail_all(batch, e)
     try:
         _transaction(conn, batch)
         return 1, 0, False
@@ -136,6 +134,13 @@ def _commit_batch(conn: sqlite3.Connection, batch: list[_Write]) -> tuple[int, i
         except Exception as e:  # noqa: BLE001 - the caller re-raises it as is
             w.error = e
     return commits, len(batch) - commits, True
+
+
+def _fail_all(batch: list[_Write], error: BaseException) -> tuple[int, int, bool]:
+    """Fail every write of `batch` with `error`, none committed; as _commit_batch returns."""
+    for w in batch:
+        w.error = error
+    return 0, len(batch), False
 
 
 def _commit_alone(conn: sqlite3.Connection, w: _Write) -> tuple[int, int, bool]:
@@ -403,9 +408,7 @@ class GroupWriter:
                 began = time.perf_counter()
                 refused = self._refusal() if self._refusal is not None else None
                 if refused is not None:
-                    for w in batch:
-                        w.error = refused
-                    commits, failed, split = 0, len(batch), False
+                    commits, failed, split = _fail_all(batch, refused)
                 elif len(batch) == 1 and batch[0].many in self._one_statement:
                     commits, failed, split = _commit_alone(conn, batch[0])
                 else:
