@@ -237,9 +237,11 @@ class TestThread:
 
     async def test_a_refused_batch_fails_whole_and_begins_nothing(self, tmp_path: Path) -> None:
         """A refusal fails every write of the batch with it; later batches are asked again."""
-        refusals: list[Exception | None] = [sqlite3.OperationalError("full"), None]
+        # Refused until told otherwise: the two writes fail however they are batched.
+        refusing = [True]
+        full = sqlite3.OperationalError("full")
         conn = connect(tmp_path / "w.db")
-        w = GroupWriter(conn, refusal=lambda: refusals.pop(0))
+        w = GroupWriter(conn, refusal=lambda: full if refusing[0] else None)
         w.start()
         try:
             outcomes = await asyncio.gather(
@@ -247,6 +249,7 @@ class TestThread:
             )
             assert [str(o) for o in outcomes] == ["full", "full"]
             assert not any(call[1].startswith("BEGIN") for call in conn.calls)
+            refusing[0] = False
             await w.submit(insert(3))
         finally:
             await w.close()
